@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+STAMP_DEV := $(VENV)/.installed-dev
+
+.PHONY: serve test install install-dev train-demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch is pinned first and alone: its CPU wheel is on local disk; any other spec may pull CUDA.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(STAMP_DEV): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+install-dev: $(STAMP_DEV)
+
+serve: $(STAMP)
+	$(BIN)/mmserve serve --config config.toml
+
+test: $(STAMP_DEV)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+train-demo: $(STAMP)
+	$(BIN)/mmserve train-demo
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,45 @@
+"""What every actor shares: an inbox, the requests it is holding, a liveness record."""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+
+import trio
+
+from mmserve.actors.messages import RequestHandle
+from mmserve.errors import MMServeError
+from mmserve.logs import get_logger
+
+
+class Actor(ABC):
+    """An actor owns its state alone and is driven by messages arriving in its inbox.
+
+    `run()` is restarted by the supervisor when it raises; the inbox survives restarts, so queued
+    messages are not lost. Requests the actor holds when it dies are failed by the supervisor via
+    `fail_in_flight`.
+    """
+
+    name = "actor"
+
+    def __init__(self, inbox_size: float = math.inf, **log_fields):
+        self.inbox_send, self.inbox = trio.open_memory_channel(inbox_size)
+        self.log = get_logger(self.name, **log_fields)
+        self.in_flight: dict[str, RequestHandle] = {}
+        self.last_progress = time.monotonic()
+
+    @abstractmethod
+    async def run(self) -> None:
+        """The actor's message loop; returns only on shutdown."""
+
+    def progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def fail_in_flight(self, error: MMServeError) -> int:
+        """Ends every request this actor holds with `error`; returns how many there were."""
+        handles = list(self.in_flight.values())
+        self.in_flight.clear()
+        for h in handles:
+            h.fail(error)
+        return len(handles)

@@ -1,0 +1,109 @@
+"""Intake actor: decodes images, applies the chat template and processor, validates limits.
+
+Each request is prepared in its own task (image decoding and the processor run in worker
+threads, bounded by a limiter), so one large image never delays the others nor the event loop.
+Bad input is answered here, with a typed error, before any model work.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import trio
+
+from mmserve.actors.base import Actor
+from mmserve.actors.messages import EncodeJob, RequestHandle, Submit
+from mmserve.errors import BadRequest, MMServeError, ModelNotFound, UnprocessableImage
+from mmserve.models.llava import LlavaAdapter, PromptInputs
+from mmserve.runtime.config import LimitsConfig
+from mmserve.runtime.images import data_url_bytes, open_image
+from mmserve.runtime.request import ChatRequest, ImagePart, TextPart
+
+
+def hf_messages(request: ChatRequest) -> list[dict]:
+    """The request's messages in the shape transformers' chat templates take."""
+    out = []
+    for m in request.messages:
+        content = [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in m.parts
+        ]
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def decode_images(request: ChatRequest, limits: LimitsConfig) -> list:
+    """Every image of the request, decoded to RGB, in prompt order (runs in a worker thread)."""
+    images = []
+    for i, m in enumerate(request.messages):
+        for j, part in enumerate(p for p in m.parts if isinstance(p, ImagePart)):
+            where = f"messages[{i}].content (image {j})"
+            if part.image is not None:
+                images.append(_embedded_image(part.image, where))
+            else:
+                images.append(open_image(data_url_bytes(part.url, limits, where), limits, where))
+    return images
+
+
+def _embedded_image(image, where: str):
+    convert = getattr(image, "convert", None)
+    if convert is None:
+        raise UnprocessableImage(f"{where}: expected a PIL image, got {type(image).__name__}", param=where)
+    return image if image.mode == "RGB" else convert("RGB")
+
+
+def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: LimitsConfig) -> PromptInputs:
+    prompt = adapter.preprocess(hf_messages(request), images)
+    if len(prompt.input_ids) > limits.max_prompt_tokens:
+        raise BadRequest(
+            f"the prompt is {len(prompt.input_ids)} tokens, above this server's limit of "
+            f"{limits.max_prompt_tokens}", param="messages", code="context_length_exceeded")
+    max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
+    if max_pos and len(prompt.input_ids) >= max_pos:
+        raise BadRequest(
+            f"the prompt is {len(prompt.input_ids)} tokens; model {adapter.name!r} has a context "
+            f"of {max_pos}", param="messages", code="context_length_exceeded")
+    return prompt
+
+
+class Intake(Actor):
+    name = "intake"
+
+    def __init__(self, limits: LimitsConfig, route: Callable[[str], tuple[LlavaAdapter, trio.MemorySendChannel]]):
+        super().__init__()
+        self.limits = limits
+        self.route = route
+        self.limiter = trio.CapacityLimiter(limits.decode_concurrency)
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            async for msg in self.inbox:
+                self.progressed()
+                self.in_flight[msg.handle.request_id] = msg.handle
+                nursery.start_soon(self._prepare, msg)
+
+    async def _prepare(self, msg: Submit) -> None:
+        handle = msg.handle
+        log = self.log.bind(request_id=handle.request_id, model=handle.model)
+        try:
+            if not handle.active:
+                return
+            adapter, encoder_inbox = self.route(handle.model)
+            request = handle.request
+            images = await trio.to_thread.run_sync(decode_images, request, self.limits, limiter=self.limiter)
+            if not handle.active:
+                log.info("intake.aborted")
+                return
+            prompt = await trio.to_thread.run_sync(prepare, adapter, request, images, self.limits, limiter=self.limiter)
+            log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(images))
+            if handle.active:
+                encoder_inbox.send_nowait(EncodeJob(handle, prompt, tuple(images)))
+        except (MMServeError, ModelNotFound) as e:
+            log.info("intake.rejected", status=e.status, error=e.message)
+            handle.fail(e)
+        except ValueError as e:
+            log.info("intake.rejected", status=400, error=str(e))
+            handle.fail(BadRequest(f"the request could not be prepared: {e}"))
+        finally:
+            self.in_flight.pop(handle.request_id, None)
+            self.progressed()

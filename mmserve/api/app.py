@@ -1,0 +1,156 @@
+"""The OpenAI-compatible HTTP API: a thin mapping of HTTP onto the embedded Runtime API."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import trio
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from mmserve.errors import BadRequest, MMServeError, PayloadTooLarge, InternalError
+from mmserve.logs import get_logger
+from mmserve.runtime.runtime import ChatStream, Delta, Runtime, new_request_id, usage_json
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+log = get_logger("http")
+
+
+def error_response(err: MMServeError) -> Response:
+    resp = Response(json.dumps(err.to_body()), status=err.status, mimetype="application/json")
+    retry = getattr(err, "retry_after_s", None)
+    if retry is not None:
+        resp.headers["Retry-After"] = str(max(1, round(retry)))
+    return resp
+
+
+def _http_error(exc: HTTPException) -> MMServeError:
+    if exc.code == 413:
+        return PayloadTooLarge("the request body is larger than this server accepts")
+    err = MMServeError(exc.description or exc.name)
+    err.status, err.type, err.code = exc.code or 500, "invalid_request_error", exc.name.lower().replace(" ", "_")
+    return err
+
+
+def create_app(rt: Runtime) -> QuartTrio:
+    app = QuartTrio("mmserve")
+    app.config["MAX_CONTENT_LENGTH"] = rt.config.server.max_body_bytes
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
+
+    @app.before_request
+    async def assign_request_id():
+        incoming = request.headers.get("x-request-id", "")
+        g.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
+
+    @app.after_request
+    async def add_request_id(response):
+        response.headers["x-request-id"] = getattr(g, "request_id", "")
+        return response
+
+    @app.errorhandler(MMServeError)
+    async def on_mmserve_error(err: MMServeError):
+        return error_response(err)
+
+    @app.errorhandler(HTTPException)
+    async def on_http_error(exc: HTTPException):
+        return error_response(_http_error(exc))
+
+    @app.errorhandler(Exception)
+    async def on_unexpected(exc: Exception):
+        log.error("http.unhandled_error", request_id=getattr(g, "request_id", None), exc_info=exc)
+        return error_response(InternalError("internal error; see the server log for this request id"))
+
+    @app.get("/health")
+    async def health():
+        h = rt.health()
+        return Response(json.dumps(h.to_json()), status=200 if h.ok else 503, mimetype="application/json")
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": m["name"], "object": "model", "created": int(rt.started), "owned_by": "mmserve",
+                 "loaded": m["loaded"]} for m in rt.models()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        body = await _json_body()
+        parsed = rt.parse(body)
+        stream = rt.chat(request=parsed, request_id=g.request_id)
+        if not parsed.stream:
+            return await _complete(stream)
+        try:
+            first = await stream.__anext__()
+        except BaseException:
+            stream.close()
+            raise
+        response = Response(_sse(stream, first, parsed.include_usage), mimetype="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None  # a long stream must not be cut by Quart's response timeout
+        return response
+
+    return app
+
+
+async def _json_body():
+    raw = await request.get_data()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not valid UTF-8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+
+async def _complete(stream: ChatStream) -> dict:
+    async with stream:
+        parts, final = [], None
+        async for delta in stream:
+            parts.append(delta.text)
+            final = delta
+    return {
+        "id": stream.id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": stream.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                     "finish_reason": final.finish_reason, "logprobs": None}],
+        "usage": usage_json(final.usage),
+    }
+
+
+def _chunk(stream: ChatStream, created: int, delta: dict, finish_reason: str | None) -> str:
+    body = {"id": stream.id, "object": "chat.completion.chunk", "created": created, "model": stream.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
+    created = int(time.time())
+    try:
+        yield _chunk(stream, created, {"role": "assistant", "content": ""}, None)
+        delta = first
+        while True:
+            if delta.text:
+                yield _chunk(stream, created, {"content": delta.text}, None)
+            if delta.finish_reason is not None:
+                yield _chunk(stream, created, {}, delta.finish_reason)
+                if include_usage:
+                    body = {"id": stream.id, "object": "chat.completion.chunk", "created": created,
+                            "model": stream.model, "choices": [], "usage": usage_json(delta.usage)}
+                    yield f"data: {json.dumps(body)}\n\n"
+                break
+            try:
+                delta = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            except MMServeError as err:
+                yield f"data: {json.dumps(err.to_body())}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()

@@ -1,0 +1,86 @@
+"""`mmserve serve | train-demo | make-model` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import trio
+
+from mmserve.logs import configure_logging
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mmserve.api.server import serve
+    from mmserve.runtime.config import load_config, with_models
+
+    config = load_config(args.config)
+    if args.model:
+        config = with_models(config, args.model)
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    config = config.replace(server=server) if server else config
+    configure_logging(args.log_format or config.logging.format, args.log_level or config.logging.level)
+
+    async def main():
+        shutdown = trio.Event()
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve, config, shutdown=shutdown)
+                async for _ in signals:
+                    shutdown.set()
+                    break
+
+    trio.run(main)
+    return 0
+
+
+def _train_demo(args: argparse.Namespace) -> int:
+    from mmserve.models.demo import train_demo_models
+
+    train_demo_models(out_root=args.out, names=tuple(args.name or ("demo", "demo-wide")))
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from mmserve.models.demo import build_untrained
+
+    path = build_untrained(args.preset, args.out, seed=args.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmserve", description="Serve multimodal language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the configured models over an OpenAI-compatible HTTP API")
+    s.add_argument("--config", help="path to config.toml (default: built-in defaults, the demo model)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int, help="0 picks a free port (the chosen address is logged)")
+    s.add_argument("--model", action="append", help="serve only this model (repeatable); a name from the config, "
+                   "a checkpoint directory, or demo / demo-wide")
+    s.add_argument("--log-format", choices=["json", "console"])
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=_serve)
+
+    t = sub.add_parser("train-demo", help="retrain the demo models (deterministic, a few minutes on a CPU)")
+    t.add_argument("--out", help="output root (default: the committed checkpoints in the package)")
+    t.add_argument("--name", action="append", help="train only this demo model (repeatable)")
+    t.set_defaults(func=_train_demo)
+
+    m = sub.add_parser("make-model", help="build a random-weight LLaVA checkpoint of a preset shape")
+    m.add_argument("--preset", default="bench", help="tiny | demo | demo-wide | bench")
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=_make_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

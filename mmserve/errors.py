@@ -1,0 +1,96 @@
+"""Typed errors a user can cause (or meet), each mapped to one HTTP status and one OpenAI error body.
+
+Everything raised towards a caller is an `MMServeError`; the HTTP layer turns it into
+``{"error": {"message", "type", "param", "code"}}`` with `status`, and embedded callers catch it
+directly.
+"""
+
+from __future__ import annotations
+
+
+class MMServeError(Exception):
+    """Base of every error mmserve reports to a caller."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class BadRequest(MMServeError):
+    """The request is malformed or asks for something invalid (HTTP 400)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class UnsupportedParameter(BadRequest):
+    """A valid OpenAI parameter that mmserve does not implement: refused, never silently ignored."""
+
+    code = "unsupported_parameter"
+
+
+class Unauthorized(MMServeError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(MMServeError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(MMServeError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class UnprocessableImage(MMServeError):
+    """An image that cannot be decoded, is of a refused format, or is too large (HTTP 422)."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_image"
+
+
+class Overloaded(MMServeError):
+    status = 429
+    type = "rate_limit_error"
+    code = "server_overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, **kw):
+        super().__init__(message, **kw)
+        self.retry_after_s = retry_after_s
+
+
+class InternalError(MMServeError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class ServiceUnavailable(MMServeError):
+    """The runtime (or the actor serving this request) is not able to answer now (HTTP 503)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "service_unavailable"

@@ -1,0 +1,215 @@
+"""Model presets and builders for the demo LLaVA checkpoints.
+
+Every preset is a real ``LlavaForConditionalGeneration`` (CLIP vision tower + Llama text model)
+with a ``LlavaProcessor`` (``CLIPImageProcessorPil`` + byte-level BPE fast tokenizer), saved with
+``save_pretrained`` so the ``Auto*`` classes load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import torch
+from transformers import (
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
+
+from .tokenizer import CHAT_TEMPLATE, build_tokenizer
+
+CHECKPOINTS_ROOT = pathlib.Path(__file__).resolve().parent / "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Sizes of one demo model."""
+
+    name: str
+    # vision tower (CLIP)
+    image_size: int  # the processor's crop size, in pixels
+    patch_size: int
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    # text model (Llama)
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    max_position_embeddings: int = 4096
+    trained: bool = False  # True: a committed checkpoint exists (see checkpoint_dir)
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholders per image (= image features; the CLS token is dropped)."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+PRESETS: dict[str, Preset] = {
+    # trained demo models (text hidden sizes differ on purpose: cross-model isolation tests)
+    "demo": Preset(
+        name="demo",
+        image_size=32,
+        patch_size=4,
+        vision_hidden=64,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=256,
+        text_hidden=128,
+        text_layers=2,
+        text_heads=4,
+        text_kv_heads=4,
+        text_intermediate=344,
+        trained=True,
+    ),
+    "demo-wide": Preset(
+        name="demo-wide",
+        image_size=32,
+        patch_size=4,
+        vision_hidden=64,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=256,
+        text_hidden=192,
+        text_layers=2,
+        text_heads=6,
+        text_kv_heads=6,
+        text_intermediate=512,
+        trained=True,
+    ),
+    # random weights, smallest: fast unit tests (GQA: 4 query heads share 2 KV heads)
+    "tiny": Preset(
+        name="tiny",
+        image_size=32,
+        patch_size=8,
+        vision_hidden=32,
+        vision_layers=1,
+        vision_heads=2,
+        vision_intermediate=64,
+        text_hidden=64,
+        text_layers=2,
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=128,
+    ),
+    # random weights, realistic CPU benchmark shape: 256 image tokens
+    "bench": Preset(
+        name="bench",
+        image_size=224,
+        patch_size=14,
+        vision_hidden=384,
+        vision_layers=6,
+        vision_heads=6,
+        vision_intermediate=1536,
+        text_hidden=512,
+        text_layers=8,
+        text_heads=8,
+        text_kv_heads=8,
+        text_intermediate=1408,
+    ),
+}
+
+
+def get_preset(preset: str | Preset) -> Preset:
+    if isinstance(preset, Preset):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown demo preset {preset!r}; expected one of {sorted(PRESETS)}") from None
+
+
+def checkpoint_dir(name: str) -> pathlib.Path:
+    """The committed trained checkpoint directory ``mmserve/models/demo/checkpoints/<name>``."""
+    return CHECKPOINTS_ROOT / name
+
+
+def build_processor(preset: str | Preset) -> LlavaProcessor:
+    p = get_preset(preset)
+    tokenizer = build_tokenizer()
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": p.image_size},
+        crop_size={"height": p.image_size, "width": p.image_size},
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=p.patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's CLS token (dropped by the "default" strategy)
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(preset: str | Preset, tokenizer) -> LlavaConfig:
+    p = get_preset(preset)
+    vision = CLIPVisionConfig(
+        hidden_size=p.vision_hidden,
+        intermediate_size=p.vision_intermediate,
+        num_hidden_layers=p.vision_layers,
+        num_attention_heads=p.vision_heads,
+        image_size=p.image_size,
+        patch_size=p.patch_size,
+        projection_dim=p.vision_hidden,
+        hidden_act="quick_gelu",
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=p.text_hidden,
+        intermediate_size=p.text_intermediate,
+        num_hidden_layers=p.text_layers,
+        num_attention_heads=p.text_heads,
+        num_key_value_heads=p.text_kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.image_token_id,
+        image_seq_length=p.num_image_tokens,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
+
+
+def build_model(preset: str | Preset, tokenizer, seed: int = 0) -> LlavaForConditionalGeneration:
+    config = build_config(preset, tokenizer)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        max_new_tokens=16,
+    )
+    model.eval()
+    return model
+
+
+def save(model, processor, out_dir) -> pathlib.Path:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    return out
+
+
+def build_untrained(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
+    """Build tokenizer + processor + random-init model for ``preset`` and save them to out_dir."""
+    processor = build_processor(preset)
+    model = build_model(preset, processor.tokenizer, seed=seed)
+    return save(model, processor, out_dir)

@@ -1,0 +1,165 @@
+"""Adapter for LLaVA-family checkpoints: the model steps the actors need, one by one.
+
+The steps — preprocess, encode images, scatter image embeddings into placeholder positions,
+prefill with optional past KV and explicit positions, decode a batch by one token — reproduce the
+model's own forward (pinned by tests/test_adapter.py). Each step is a plain synchronous function
+that the actors run in worker threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import os
+from pathlib import Path
+from typing import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local directories only
+
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's placeholder tokens sit in the prompt: positions [start, start+length)."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """A tokenized prompt and its per-image pixel tensors (row i belongs to spans[i])."""
+
+    input_ids: tuple[int, ...]
+    pixel_values: torch.Tensor | None
+    spans: tuple[ImageSpan, ...]
+
+
+@dataclass
+class StepOutput:
+    """Logits of the last position of each sequence, and the KV cache after the step."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+
+
+class LlavaAdapter:
+    """One loaded LLaVA-family model (processor + weights) on a device."""
+
+    def __init__(self, name: str, path: str | Path, device: str = "cpu", dtype: str = "float32"):
+        self.name = name
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"model {name!r}: checkpoint directory {self.path} does not exist")
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.processor = AutoProcessor.from_pretrained(self.path)
+        self.tokenizer = self.processor.tokenizer
+        model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        self.config = self.model.config
+        self.text_config = self.config.get_text_config()
+        self.image_token_id = int(self.config.image_token_id)
+        self.eos_token_ids = frozenset(self._eos_ids())
+        self.vocab_size = int(self.text_config.vocab_size)
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+    # -- preprocessing ---------------------------------------------------------------------
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        """The chat-templated prompt text, ending with the generation prompt."""
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def preprocess(self, messages: list[dict], images: Sequence) -> PromptInputs:
+        """Applies the chat template and the processor; images are PIL images in prompt order."""
+        text = self.render_prompt(messages)
+        batch = self.processor(text=[text], images=list(images) or None, return_tensors="pt")
+        input_ids = tuple(int(t) for t in batch["input_ids"][0])
+        pixel_values = batch.get("pixel_values") if images else None
+        spans = self.image_spans(input_ids, len(images))
+        return PromptInputs(input_ids, pixel_values, spans)
+
+    def image_spans(self, input_ids: Sequence[int], n_images: int) -> tuple[ImageSpan, ...]:
+        """Splits the placeholder positions into one contiguous span per image."""
+        positions = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
+        if n_images == 0:
+            if positions:
+                raise ValueError("prompt contains image placeholders but no image was given")
+            return ()
+        if len(positions) % n_images:
+            raise ValueError(f"{len(positions)} image placeholders cannot be split over {n_images} images")
+        per = len(positions) // n_images
+        spans = []
+        for k in range(n_images):
+            chunk = positions[k * per : (k + 1) * per]
+            if chunk[-1] - chunk[0] != per - 1:
+                raise ValueError("an image's placeholder tokens are not contiguous")
+            spans.append(ImageSpan(chunk[0], per))
+        return tuple(spans)
+
+    # -- model steps -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        """Runs the vision tower and projector: one [num_image_tokens, hidden] tensor per image."""
+        pixel_values = pixel_values.to(self.device, self.dtype)
+        out = self.model.model.get_image_features(pixel_values=pixel_values, return_dict=True)
+        return [f.contiguous() for f in out.pooler_output]
+
+    @torch.inference_mode()
+    def embed(self, input_ids: Sequence[int], pieces: Sequence[tuple[int, torch.Tensor]] = ()) -> torch.Tensor:
+        """Token embeddings [1, T, H] with each (position, rows) piece of image embeddings
+        written over the placeholders starting at that position."""
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
+        embeds = self.model.get_input_embeddings()(ids)
+        for pos, rows in pieces:
+            embeds[0, pos : pos + rows.shape[0]] = rows.to(embeds.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None = None, start: int = 0) -> StepOutput:
+        """Runs the text model over [1, T, H] embeddings after `start` cached positions."""
+        cache = cache if cache is not None else DynamicCache(config=self.text_config)
+        t = inputs_embeds.shape[1]
+        positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
+        out = self.model.model.language_model(
+            inputs_embeds=inputs_embeds, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
+        return StepOutput(logits.float(), out.past_key_values)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        cache: DynamicCache,
+        positions: Sequence[int],
+        attention_mask: torch.Tensor | None = None,
+    ) -> StepOutput:
+        """One decode step for a batch: token_ids[b] at positions[b], over the batch's cache."""
+        ids = torch.tensor([[t] for t in token_ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device)
+        embeds = self.model.get_input_embeddings()(ids)
+        out = self.model.model.language_model(
+            inputs_embeds=embeds,
+            position_ids=pos,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
+        return StepOutput(logits.float(), out.past_key_values)
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

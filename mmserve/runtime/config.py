@@ -1,0 +1,171 @@
+"""Runtime configuration: a typed view of `config.toml` (every key is documented there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    path: str
+    default: bool = False
+    load: str = "eager"
+
+    def resolved_path(self) -> Path:
+        """The checkpoint directory; `builtin:NAME` names a committed demo checkpoint."""
+        if self.path.startswith(BUILTIN_PREFIX):
+            from mmserve.models.demo import checkpoint_dir
+
+            return checkpoint_dir(self.path[len(BUILTIN_PREFIX):])
+        return Path(self.path).expanduser()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    torch_threads: int = 0
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_messages: int = 256
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")
+    max_prompt_tokens: int = 8192
+    max_tokens: int = 4096
+    default_max_tokens: int = 256
+    max_stop_sequences: int = 4
+    decode_concurrency: int = 4
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    restart_backoff_s: float = 0.1
+    max_restart_backoff_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    format: str = "json"
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class Config:
+    models: tuple[ModelConfig, ...] = (ModelConfig("demo", "builtin:demo", default=True),)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def default_model(self) -> str:
+        for m in self.models:
+            if m.default:
+                return m.name
+        return self.models[0].name
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def replace(self, **sections: Any) -> "Config":
+        """A copy with whole sections replaced or, given dicts, individual keys overridden."""
+        changes = {}
+        for key, value in sections.items():
+            current = getattr(self, key)
+            if isinstance(value, dict) and dataclasses.is_dataclass(current):
+                value = dataclasses.replace(current, **value)
+            changes[key] = value
+        return dataclasses.replace(self, **changes)
+
+
+_SECTIONS = {
+    "server": ServerConfig,
+    "runtime": RuntimeConfig,
+    "limits": LimitsConfig,
+    "supervisor": SupervisorConfig,
+    "logging": LoggingConfig,
+}
+
+
+def _section(cls: type, raw: dict, where: str):
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ValueError(f"config [{where}]: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    return cls(**values)
+
+
+def config_from_dict(raw: dict, base_dir: Path | None = None) -> Config:
+    """Builds a Config from parsed TOML; relative model paths resolve against `base_dir`."""
+    raw = dict(raw)
+    kwargs: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        if name in raw:
+            kwargs[name] = _section(cls, raw.pop(name), name)
+    if "models" in raw:
+        models = []
+        for entry in raw.pop("models"):
+            m = _section(ModelConfig, entry, "models")
+            if base_dir is not None and not m.path.startswith(BUILTIN_PREFIX):
+                p = Path(m.path).expanduser()
+                if not p.is_absolute():
+                    m = dataclasses.replace(m, path=str(base_dir / p))
+            models.append(m)
+        if not models:
+            raise ValueError("config: [[models]] is empty; configure at least one model")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"config: duplicate model names in {names}")
+        kwargs["models"] = tuple(models)
+    if raw:
+        raise ValueError(f"config: unknown section(s) {sorted(raw)}")
+    return Config(**kwargs)
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Reads a TOML config file; None gives the built-in defaults (the `demo` model)."""
+    if path is None:
+        return Config()
+    path = Path(path)
+    with path.open("rb") as f:
+        return config_from_dict(tomllib.load(f), base_dir=path.parent.resolve())
+
+
+def with_models(config: Config, names: list[str]) -> Config:
+    """Keeps only the named models (CLI `--model`, repeatable), the first one becoming the default.
+
+    A name not in the config but naming a directory is added as a local checkpoint; `demo` and
+    `demo-wide` are always known as built-ins.
+    """
+    models = []
+    for i, name in enumerate(names):
+        m = config.model(name)
+        if m is None:
+            if Path(name).expanduser().is_dir():
+                m = ModelConfig(Path(name).name, str(Path(name).expanduser().resolve()))
+            elif name in ("demo", "demo-wide"):
+                m = ModelConfig(name, BUILTIN_PREFIX + name)
+            else:
+                raise ValueError(f"--model {name!r}: not in the config and not a directory")
+        models.append(dataclasses.replace(m, default=(i == 0)))
+    return dataclasses.replace(config, models=tuple(models))

@@ -1,0 +1,62 @@
+"""Image decoding and validation (run in worker threads, never on the event loop).
+
+Refuses what could hurt the server before paying for it: oversized payloads, formats not
+allowed, and decompression bombs — the pixel count is checked from the header before decoding.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+
+from PIL import Image, UnidentifiedImageError
+
+from mmserve.errors import PayloadTooLarge, UnprocessableImage
+from mmserve.runtime.config import LimitsConfig
+
+_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
+
+
+def data_url_bytes(url: str, limits: LimitsConfig, where: str) -> bytes:
+    """The bytes of a base64 `data:` URL, size-checked before and after decoding."""
+    m = _DATA_URL.match(url)
+    if not m or not m.group("b64"):
+        raise UnprocessableImage(f"{where}: image URL must look like data:image/png;base64,<data>", param=where)
+    payload = url[m.end():]
+    if len(payload) * 3 // 4 > limits.max_image_bytes:
+        raise PayloadTooLarge(f"{where}: image is larger than the {limits.max_image_bytes} byte limit", param=where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise UnprocessableImage(f"{where}: image data is not valid base64", param=where) from None
+
+
+def open_image(data: bytes, limits: LimitsConfig, where: str) -> Image.Image:
+    """Decodes image bytes into an RGB PIL image, or raises a 4xx error naming the problem."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            fmt = (img.format or "").upper()
+            if fmt not in limits.image_formats:
+                raise UnprocessableImage(
+                    f"{where}: image format {fmt or 'unknown'} is not accepted; accepted: "
+                    f"{', '.join(limits.image_formats)}", param=where)
+            w, h = img.size
+            if w <= 0 or h <= 0:
+                raise UnprocessableImage(f"{where}: image has zero size", param=where)
+            if w * h > limits.max_image_pixels:
+                raise UnprocessableImage(
+                    f"{where}: image is {w}x{h} = {w * h} pixels, above the {limits.max_image_pixels} "
+                    "pixel limit", param=where, code="image_too_large")
+            img.load()
+            return img if img.mode == "RGB" else img.convert("RGB")
+    except UnprocessableImage:
+        raise
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise UnprocessableImage(f"{where}: data is not a decodable image", param=where) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise UnprocessableImage(f"{where}: image could not be decoded ({e})", param=where) from None

@@ -1,0 +1,251 @@
+"""Parsing and validating OpenAI-shaped chat requests, shared by HTTP and embedded callers.
+
+Everything a caller can get wrong is caught here, with the offending parameter named, before any
+model work starts. Unsupported OpenAI features are refused with a 400, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.errors import BadRequest, UnsupportedParameter
+from mmserve.runtime.config import LimitsConfig
+from mmserve.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image as given: a `data:` URL (`url`) or, from embedded callers, a PIL image (`image`)."""
+
+    url: str | None = None
+    image: Any = None
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    parts: tuple[TextPart | ImagePart, ...]
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        return tuple(p for p in self.parts if isinstance(p, ImagePart))
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[Message, ...]
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: str | None = None
+
+    @property
+    def num_images(self) -> int:
+        return sum(len(m.images) for m in self.messages)
+
+
+_ROLES = {"system", "developer", "user", "assistant"}
+_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+_KNOWN = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "seed", "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "tools",
+    "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "presence_penalty", "frequency_penalty", "logit_bias", "cache_salt", "min_tokens",
+    "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+} | _IGNORED
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_num(v) or not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be a number between {lo} and {hi}, got {v!r}", param=key)
+    return float(v)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v) or not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be an integer between {lo} and {hi}, got {v!r}", param=key)
+    return v
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise UnsupportedParameter("'n' > 1 is not supported; send one request per choice", param="n")
+    if body.get("logprobs") or body.get("top_logprobs") is not None:
+        raise UnsupportedParameter("'logprobs' is not supported", param="logprobs")
+    for key in ("tools", "functions", "logit_bias", "audio", "prediction", "web_search_options"):
+        if body.get(key):
+            raise UnsupportedParameter(f"'{key}' is not supported by mmserve", param=key)
+    for key in ("tool_choice", "function_call", "reasoning_effort"):
+        if body.get(key) not in (None, "none", "auto"):
+            raise UnsupportedParameter(f"'{key}' is not supported by mmserve", param=key)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise UnsupportedParameter("only response_format {'type': 'text'} is supported", param="response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise UnsupportedParameter("only text output is supported ('modalities': ['text'])", param="modalities")
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v is not None and (not _is_num(v) or not -2 <= v <= 2):
+            raise BadRequest(f"'{key}' must be a number between -2 and 2", param=key)
+        if v:
+            raise UnsupportedParameter(f"'{key}' other than 0 is not supported", param=key)
+
+
+def _stop(body: dict, limits: LimitsConfig) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stop) > limits.max_stop_sequences:
+        raise BadRequest(f"'stop' allows at most {limits.max_stop_sequences} sequences", param="stop")
+    return tuple(stop)
+
+
+def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
+    max_tokens = _integer(body, "max_completion_tokens", 1, limits.max_tokens)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise BadRequest("'seed' must be an integer", param="seed")
+    min_tokens = _integer(body, "min_tokens", 0, limits.max_tokens) or 0
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+        top_k=_integer(body, "top_k", -1, 1_000_000) or 0,
+        seed=None if seed is None else seed % 2**63,
+        stop=_stop(body, limits),
+        min_tokens=min_tokens,
+    )
+
+
+def _image_part(part: dict, where: str) -> ImagePart:
+    if part.get("type") == "image":  # embedded callers may pass a PIL image directly
+        if part.get("image") is None:
+            raise BadRequest(f"{where}: an 'image' part needs an 'image' (a PIL image)", param=where)
+        return ImagePart(image=part["image"])
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise BadRequest(f"{where}: 'image_url' must be an object with a 'url' string", param=where)
+    if url.startswith(("http://", "https://")):
+        raise BadRequest(
+            f"{where}: remote image URLs are disabled on this server; send the image inline as a "
+            "data: URL (data:image/png;base64,...)", param=where, code="remote_images_disabled")
+    if not url.startswith("data:"):
+        raise BadRequest(f"{where}: image URL must be a data: URL (data:image/png;base64,...)", param=where)
+    return ImagePart(url=url)
+
+
+def _parts(content: Any, where: str, role: str) -> tuple[TextPart | ImagePart, ...]:
+    if isinstance(content, str):
+        return (TextPart(content),)
+    if not isinstance(content, list) or not content:
+        raise BadRequest(f"{where}.content must be a string or a non-empty list of content parts", param=f"{where}.content")
+    parts: list[TextPart | ImagePart] = []
+    for j, part in enumerate(content):
+        pw = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise BadRequest(f"{pw} must be an object with a 'type'", param=pw)
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise BadRequest(f"{pw}: a text part needs a 'text' string", param=pw)
+            parts.append(TextPart(part["text"]))
+        elif kind in ("image_url", "image"):
+            if role != "user":
+                raise BadRequest(f"{pw}: images are only allowed in user messages", param=pw)
+            parts.append(_image_part(part, pw))
+        else:
+            raise BadRequest(
+                f"{pw}: unsupported content part type {kind!r}; supported: 'text', 'image_url'", param=pw)
+    return tuple(parts)
+
+
+def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    if len(raw) > limits.max_messages:
+        raise BadRequest(f"at most {limits.max_messages} messages are allowed", param="messages")
+    messages = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object with 'role' and 'content'", param=where)
+        role = m.get("role")
+        if role not in _ROLES:
+            extra = " (tool calls are not supported)" if role in ("tool", "function") else ""
+            raise BadRequest(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}{extra}", param=f"{where}.role")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise UnsupportedParameter(f"{where}: tool calls are not supported", param=f"{where}.tool_calls")
+        messages.append(Message("system" if role == "developer" else role, _parts(m.get("content"), where, role)))
+    if messages[-1].role == "assistant":
+        raise BadRequest("the last message must not be from the assistant: nothing to answer", param="messages")
+    n_images = sum(len(m.images) for m in messages)
+    if n_images > limits.max_images_per_request:
+        raise BadRequest(f"at most {limits.max_images_per_request} images per request, got {n_images}", param="messages")
+    return tuple(messages)
+
+
+def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> ChatRequest:
+    """Validates an OpenAI chat-completions body and returns the typed request."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise BadRequest(f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
+    _refuse_unsupported(body)
+    model = body.get("model", default_model)
+    if model is None:
+        model = default_model
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a string", param="model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise BadRequest("'stream_options' must be an object like {'include_usage': true}", param="stream_options")
+    if opts and not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    return ChatRequest(
+        model=model,
+        messages=parse_messages(body.get("messages"), limits),
+        sampling=parse_sampling(body, limits),
+        stream=stream,
+        include_usage=bool(opts.get("include_usage", False)),
+        cache_salt=salt,
+    )

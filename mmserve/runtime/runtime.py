@@ -1,0 +1,232 @@
+"""The embedded Runtime API — the one path every caller takes, HTTP included.
+
+    async with mmserve.Runtime.open(config) as rt:
+        async with rt.chat(messages, max_tokens=32) as stream:
+            async for delta in stream:
+                print(delta.text, end="")
+        completion = await rt.chat_completion(messages, temperature=0)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+import weakref
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import torch
+import trio
+
+from mmserve.actors.intake import Intake
+from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
+from mmserve.errors import MMServeError, ServiceUnavailable
+from mmserve.logs import get_logger
+from mmserve.runtime.config import Config, load_config
+from mmserve.runtime.registry import ModelRegistry
+from mmserve.runtime.request import ChatRequest, parse_chat_request
+from mmserve.runtime.supervisor import Health, Supervisor
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One piece of a streamed answer. The last delta has a finish_reason and the usage."""
+
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class ChatCompletion:
+    id: str
+    model: str
+    created: int
+    text: str
+    finish_reason: str
+    usage: Usage
+
+    def to_openai(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text},
+                "finish_reason": self.finish_reason,
+                "logprobs": None,
+            }],
+            "usage": usage_json(self.usage),
+        }
+
+
+def usage_json(u: Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ChatStream:
+    """The deltas of one request. Closing it (or leaving `async with`, or dropping it) aborts the
+    request at the generator's next step; it never blocks."""
+
+    def __init__(self, handle: RequestHandle, receive: trio.MemoryReceiveChannel):
+        self.handle = handle
+        self._receive = receive
+        self._done = False
+        self._finalizer = weakref.finalize(self, _abandon, handle, receive)
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+    @property
+    def id(self) -> str:
+        return "chatcmpl-" + self.handle.request_id
+
+    @property
+    def model(self) -> str:
+        return self.handle.model
+
+    def __aiter__(self) -> "ChatStream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._done = True
+            raise StopAsyncIteration from None
+        if isinstance(event, TokenEvent):
+            return Delta(event.text)
+        self._done = True
+        if isinstance(event, ErrorEvent):
+            raise event.error
+        if isinstance(event, FinishEvent):
+            return Delta("", event.finish_reason, event.usage)
+        raise TypeError(f"unexpected event {event!r}")
+
+    def close(self) -> None:
+        self._finalizer()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "ChatStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+def _abandon(handle: RequestHandle, receive: trio.MemoryReceiveChannel) -> None:
+    handle.abort()
+    receive.close()
+
+
+class Runtime:
+    """A running mmserve: actors, models and the supervisor, inside the caller's trio run."""
+
+    def __init__(self, config: Config, nursery: trio.Nursery):
+        self.config = config
+        self.registry = ModelRegistry(config)
+        self.supervisor = Supervisor(config.supervisor)
+        self.supervisor.attach(nursery)
+        self.intake = Intake(config.limits, self._route)
+        self.log = get_logger("runtime")
+        self.started = time.time()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: Config | str | None = None) -> AsyncIterator["Runtime"]:
+        """Loads the configured models, starts the actors, and yields the running Runtime."""
+        if not isinstance(config, Config):
+            config = load_config(config)
+        if config.runtime.torch_threads:
+            torch.set_num_threads(config.runtime.torch_threads)
+        body_error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            rt = cls(config, nursery)
+            try:
+                await rt._start()
+                yield rt
+            except Exception as e:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                body_error = e
+            finally:
+                nursery.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
+
+    async def _start(self) -> None:
+        self.supervisor.start(self.intake, "intake")
+        for mc in self.config.models:
+            model = await self.registry.load(mc)
+            self.supervisor.start(model.encoder, f"encoder[{mc.name}]")
+            self.supervisor.start(model.generator, f"generator[{mc.name}]")
+            self.log.info("runtime.model_loaded", model=mc.name, path=str(mc.resolved_path()))
+        self.supervisor.ready = True
+        self.log.info("runtime.started", models=self.registry.names())
+
+    def _route(self, model: str):
+        loaded = self.registry.require(model)
+        return loaded.adapter, loaded.encoder.inbox_send
+
+    # -- the API -------------------------------------------------------------------------
+
+    def health(self) -> Health:
+        return self.supervisor.health()
+
+    def models(self) -> list[dict[str, Any]]:
+        return [{"name": m.name, "loaded": m.name in self.registry.loaded, "default": m.name == self.config.default_model}
+                for m in self.config.models]
+
+    def parse(self, body: dict) -> ChatRequest:
+        """Validates an OpenAI-shaped request body (raises a typed 4xx error)."""
+        return parse_chat_request(body, self.config.limits, self.config.default_model)
+
+    def chat(self, messages: list | None = None, *, request: ChatRequest | dict | None = None,
+             request_id: str | None = None, **params: Any) -> ChatStream:
+        """Starts a chat request and returns its stream of deltas.
+
+        Either `messages` plus OpenAI parameters as keywords (`model`, `max_tokens`, `temperature`,
+        `top_p`, `top_k`, `seed`, `stop`, ...), or a whole `request` (a body dict or a parsed
+        ChatRequest). Invalid input raises a typed `MMServeError` here, before any work starts.
+        """
+        if not isinstance(request, ChatRequest):
+            body = dict(request or {}, **params)
+            if messages is not None:
+                body["messages"] = messages
+            request = self.parse(body)
+        self.registry.require(request.model)
+        health = self.health()
+        if not health.ok:
+            raise ServiceUnavailable(f"mmserve is not ready: {health.reason}")
+        send, receive = trio.open_memory_channel(math.inf)
+        handle = RequestHandle(request_id or new_request_id(), request, send)
+        self.intake.inbox_send.send_nowait(Submit(handle))
+        return ChatStream(handle, receive)
+
+    async def chat_completion(self, messages: list | None = None, **kwargs: Any) -> ChatCompletion:
+        """Runs a chat request to the end and returns the whole answer."""
+        async with self.chat(messages, **kwargs) as stream:
+            parts, final = [], None
+            async for delta in stream:
+                parts.append(delta.text)
+                final = delta
+        if final is None or final.finish_reason is None:
+            raise MMServeError("the request ended without a result")
+        return ChatCompletion(stream.id, stream.model, int(time.time()), "".join(parts),
+                              final.finish_reason, final.usage)

@@ -1,0 +1,87 @@
+"""SyncRuntime: the embedded Runtime for programs that are not trio.
+
+    with mmserve.SyncRuntime(config) as rt:
+        print(rt.chat_completion(messages, temperature=0).text)
+        for delta in rt.chat(messages):
+            print(delta.text, end="")
+
+The runtime runs in a background thread with its own trio loop; calls cross over with
+`trio.from_thread`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import trio
+
+from mmserve.runtime.config import Config
+from mmserve.runtime.runtime import ChatCompletion, Delta, Runtime
+
+
+class SyncRuntime:
+    def __init__(self, config: Config | str | None = None):
+        self._config = config
+        self._rt: Runtime | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._ready = threading.Event()
+        self._stop: trio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="mmserve-runtime", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as e:  # surfaced to the caller of __enter__
+            self._error = e
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with Runtime.open(self._config) as rt:
+            self._rt = rt
+            self._ready.set()
+            await self._stop.wait()
+
+    def start(self) -> "SyncRuntime":
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"mmserve failed to start: {self._error}") from self._error
+        return self
+
+    def close(self) -> None:
+        if self._stop is not None and self._thread.is_alive():
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join()
+
+    def __enter__(self) -> "SyncRuntime":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._rt
+
+    def chat_completion(self, messages: list | None = None, **kwargs: Any) -> ChatCompletion:
+        return trio.from_thread.run(lambda: self._rt.chat_completion(messages, **kwargs), trio_token=self._token)
+
+    def chat(self, messages: list | None = None, **kwargs: Any) -> Iterator[Delta]:
+        """Yields the answer's deltas; stopping early aborts the request."""
+        stream = trio.from_thread.run_sync(lambda: self._rt.chat(messages, **kwargs), trio_token=self._token)
+        try:
+            while True:
+                try:
+                    yield trio.from_thread.run(stream.__anext__, trio_token=self._token)
+                except StopAsyncIteration:
+                    return
+        finally:
+            trio.from_thread.run_sync(stream.close, trio_token=self._token)
+
+    def health(self):
+        return trio.from_thread.run_sync(self._rt.health, trio_token=self._token)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import pytest
+
+from mmserve.logs import configure_logging
+from mmserve.models.demo import build_untrained, checkpoint_dir
+from mmserve.runtime.config import Config, ModelConfig
+
+configure_logging("json", "warning")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-weight tiny LLaVA checkpoint (for plumbing tests that do not need answers)."""
+    return build_untrained("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_model_dir) -> Config:
+    return Config(models=(ModelConfig("tiny", str(tiny_model_dir), default=True),))
+
+
+@pytest.fixture(scope="session")
+def demo_config() -> Config:
+    """Both trained demo models, `demo` the default."""
+    return Config(models=(
+        ModelConfig("demo", str(checkpoint_dir("demo")), default=True),
+        ModelConfig("demo-wide", str(checkpoint_dir("demo-wide"))),
+    ))
+
+
+@pytest.fixture(scope="session")
+def demo_server(demo_config):
+    from tests.helpers import ServerThread
+
+    with ServerThread(demo_config) as server:
+        yield server

@@ -1,0 +1,78 @@
+"""Shared test helpers: images as data URLs, messages, and a real server on a real socket."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+
+import trio
+
+from mmserve.api.server import serve
+from mmserve.models.demo import Q_COLOR, render_image
+from mmserve.runtime.config import Config
+
+
+def data_url(img, fmt: str = "PNG", **save) -> str:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **save)
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif", "BMP": "bmp"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_part(img, fmt: str = "PNG") -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(img, fmt)}}
+
+
+def ask(img, question: str = Q_COLOR) -> list[dict]:
+    return [{"role": "user", "content": [image_part(img), {"type": "text", "text": question}]}]
+
+
+def colour_question(color: str, shape: str = "circle", seed: int = 0) -> list[dict]:
+    return ask(render_image(color, shape, seed=seed))
+
+
+class ServerThread:
+    """`mmserve.api.server.serve` on 127.0.0.1, port 0, in a background thread with its own trio loop."""
+
+    def __init__(self, config: Config):
+        self.config = config.replace(server={"host": "127.0.0.1", "port": 0})
+        self.url: str | None = None
+        self._token = None
+        self._shutdown: trio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(lambda task_status: serve(
+                self.config, shutdown=self._shutdown, task_status=task_status))
+            self.url = binds[0]
+            self._ready.set()
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait(120)
+        if self.url is None:
+            raise RuntimeError(f"server did not start: {self._error!r}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread.is_alive():
+            trio.from_thread.run_sync(self._shutdown.set, trio_token=self._token)
+        self._thread.join(30)
+
+    def run_sync(self, fn, *args):
+        """Runs `fn` inside the server's trio thread (to inspect the runtime safely)."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
