@@ -37,7 +37,7 @@ def _http_error(exc: HTTPException) -> MMServeError:
 
 def create_app(rt: Runtime) -> QuartTrio:
     app = QuartTrio("mmserve")
-    app.config["MAX_CONTENT_LENGTH"] = rt.config.server.max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = None  # enforced by _read_body, which can answer 413 cleanly
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
 
     @app.before_request
@@ -76,7 +76,7 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        body = await _json_body()
+        body = _json(await _read_body(rt.config.server.max_body_bytes))
         parsed = rt.parse(body)
         stream = rt.chat(request=parsed, request_id=g.request_id)
         if not parsed.stream:
@@ -94,8 +94,27 @@ def create_app(rt: Runtime) -> QuartTrio:
     return app
 
 
-async def _json_body():
-    raw = await request.get_data()
+async def _read_body(limit: int) -> bytes:
+    """The request body, at most `limit` bytes. A larger body is drained (up to a bound, so the
+    client can read our 413 instead of blocking on a full socket) and refused."""
+    drain_cap = 4 * limit + (1 << 20)
+    declared = request.content_length
+    too_large = PayloadTooLarge(f"the request body is larger than this server's limit of {limit} bytes")
+    if declared is not None and declared > drain_cap:
+        raise too_large
+    chunks, total = [], 0
+    async for chunk in request.body:
+        total += len(chunk)
+        if total <= limit:
+            chunks.append(chunk)
+        elif total > drain_cap:
+            break
+    if total > limit:
+        raise too_large
+    return b"".join(chunks)
+
+
+def _json(raw: bytes):
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -58,7 +58,7 @@ class ExtraKey:
 def root_layout(model_sig: int, cache_salt: str | None) -> bytes:
     """u16 version | u64 model_sig | u8 has_salt | salt (u32 len + utf-8; empty when None)."""
     salt = "" if cache_salt is None else cache_salt
-    return u16(BLOCK_HASH_LAYOUT_VERSION) + u64(model_sig, "model_sig") + u8(cache_salt is not None) + lp_str(salt)
+    return u16(BLOCK_HASH_LAYOUT_VERSION) + u64(model_sig, "model_sig") + u8(int(cache_salt is not None)) + lp_str(salt)
 
 
 def root_hash(model_sig: int, cache_salt: str | None) -> bytes:
@@ -78,7 +78,7 @@ def block_layout(prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey
     return b"".join(parts)
 
 
-def block_hash(prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey]) -> bytes:
+def hash_block(prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey]) -> bytes:
     """The 16-byte hash of one block chained from `prev`."""
     return xxhash.xxh3_128_digest(block_layout(prev, token_ids, extra), seed=SEED_BLOCK_HASH)
 
@@ -107,7 +107,7 @@ def block_hashes(
     hashes, prev = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         end = start + block_size
-        prev = block_hash(prev, tokens[start:end], block_extra_keys(items, start, end))
+        prev = hash_block(prev, tokens[start:end], block_extra_keys(items, start, end))
         hashes.append(prev)
     return hashes
 

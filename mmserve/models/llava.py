@@ -161,5 +161,24 @@ class LlavaAdapter:
         logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
         return StepOutput(logits.float(), out.past_key_values)
 
+    def stack_caches(self, caches: Sequence[DynamicCache]) -> tuple[DynamicCache, torch.Tensor]:
+        """Merges single-sequence caches into one batch cache, left-padded to the longest, with
+        the attention mask [B, longest] that hides the padding."""
+        lengths = [c.get_seq_length() for c in caches]
+        longest = max(lengths)
+        layers = []
+        for i in range(len(caches[0].layers)):
+            ks, vs = [], []
+            for c, n in zip(caches, lengths):
+                k, v = c.layers[i].keys, c.layers[i].values
+                pad = longest - n
+                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        mask = torch.zeros(len(caches), longest, dtype=torch.long, device=self.device)
+        for b, n in enumerate(lengths):
+            mask[b, longest - n :] = 1
+        return DynamicCache(ddp_cache_data=layers, config=self.text_config), mask
+
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -56,7 +56,9 @@ def open_image(data: bytes, limits: LimitsConfig, where: str) -> Image.Image:
             return img if img.mode == "RGB" else img.convert("RGB")
     except UnprocessableImage:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise UnprocessableImage(f"{where}: image is too large ({e})", param=where, code="image_too_large") from None
+    except UnidentifiedImageError:
         raise UnprocessableImage(f"{where}: data is not a decodable image", param=where) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise UnprocessableImage(f"{where}: image could not be decoded ({e})", param=where) from None

@@ -1,0 +1,95 @@
+"""The adapter's separate steps reproduce the model's own forward and `generate`."""
+
+import pytest
+import torch
+
+from mmserve.models.demo import Q_COLOR, Q_FIRST, render_image
+from mmserve.models.llava import LlavaAdapter
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir):
+    return LlavaAdapter("tiny", tiny_model_dir)
+
+
+def messages(n_images=1, question=Q_COLOR):
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": question}]}]
+
+
+def images(n):
+    return [render_image(c, s, seed=i) for i, (c, s) in enumerate([("red", "circle"), ("blue", "square")][:n])]
+
+
+def full_prefill(adapter, prompt):
+    embeds = adapter.encode_images(prompt.pixel_values)
+    pieces = [(span.start, e) for span, e in zip(prompt.spans, embeds)]
+    return adapter.embed(prompt.input_ids, pieces)
+
+
+def reference_logits(adapter, prompt):
+    with torch.inference_mode():
+        out = adapter.model(input_ids=torch.tensor([prompt.input_ids]), pixel_values=prompt.pixel_values)
+    return out.logits[0]
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_preprocess_spans_cover_every_placeholder(adapter, n_images):
+    prompt = adapter.preprocess(messages(n_images, Q_FIRST), images(n_images))
+    assert len(prompt.spans) == n_images == prompt.pixel_values.shape[0]
+    covered = {p for s in prompt.spans for p in range(s.start, s.start + s.length)}
+    assert covered == {i for i, t in enumerate(prompt.input_ids) if t == adapter.image_token_id}
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_prefill_matches_model_forward(adapter, n_images):
+    prompt = adapter.preprocess(messages(n_images), images(n_images))
+    out = adapter.prefill(full_prefill(adapter, prompt))
+    ref = reference_logits(adapter, prompt)[-1]
+    assert (out.logits[0] - ref).abs().max() <= 1e-4
+
+
+def test_chunked_prefill_with_past_kv_matches(adapter):
+    prompt = adapter.preprocess(messages(2), images(2))
+    embeds = full_prefill(adapter, prompt)
+    ref = reference_logits(adapter, prompt)[-1]
+    for split in (1, prompt.spans[0].start + 3, len(prompt.input_ids) - 1):
+        first = adapter.prefill(embeds[:, :split])
+        second = adapter.prefill(embeds[:, split:], first.cache, start=split)
+        assert (second.logits[0] - ref).abs().max() <= 1e-4, split
+
+
+def greedy_loop(adapter, prompt, n):
+    out = adapter.prefill(full_prefill(adapter, prompt))
+    tokens, pos = [], len(prompt.input_ids)
+    for _ in range(n):
+        tok = int(out.logits[0].argmax())
+        tokens.append(tok)
+        if tok in adapter.eos_token_ids:
+            break
+        out = adapter.decode([tok], out.cache, [pos])
+        pos += 1
+    return tokens
+
+
+def test_decode_steps_match_generate_greedy(adapter):
+    prompt = adapter.preprocess(messages(1), images(1))
+    with torch.inference_mode():
+        gen = adapter.model.generate(input_ids=torch.tensor([prompt.input_ids]), pixel_values=prompt.pixel_values,
+                                     max_new_tokens=12, do_sample=False)
+    expected = gen[0, len(prompt.input_ids):].tolist()
+    assert greedy_loop(adapter, prompt, 12) == expected
+
+
+def test_batched_decode_with_left_padding_matches_unbatched(adapter):
+    a = adapter.preprocess(messages(1), images(1))
+    b = adapter.preprocess(messages(2, Q_FIRST), images(2))
+    outs = [adapter.prefill(full_prefill(adapter, p)) for p in (a, b)]
+    tokens = [int(o.logits[0].argmax()) for o in outs]
+    positions = [len(a.input_ids), len(b.input_ids)]
+    single = [adapter.decode([t], o.cache, [p]).logits[0] for t, o, p in zip(tokens, outs, positions)]
+    outs = [adapter.prefill(full_prefill(adapter, p)) for p in (a, b)]  # decode grew the caches in place
+    cache, mask = adapter.stack_caches([o.cache for o in outs])
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    batched = adapter.decode(tokens, cache, positions, attention_mask=mask).logits
+    for b_idx in range(2):
+        assert (batched[b_idx] - single[b_idx]).abs().max() <= 1e-4

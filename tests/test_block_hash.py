@@ -1,0 +1,233 @@
+"""Prefix-cache block hashes: pinned layouts, multimodal extra keys (DESIGN.md F2), validation."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmserve.cache import block_hash as B
+from mmserve.cache.block_hash import ExtraKey, MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
+
+IMG = 9  # the one placeholder token id every image shares
+A = bytes(range(16))
+A_AGAIN = bytes(range(16))
+C = bytes(range(16, 32))
+ROOT = root_hash(7, None)
+
+
+# -- pinned layouts ----------------------------------------------------------------------------
+
+
+def test_layout_version_and_seed_are_pinned():
+    assert B.BLOCK_HASH_LAYOUT_VERSION == 1
+    assert B.SEED_BLOCK_HASH == 0x4D4D534552560004
+
+
+def test_root_layout_and_hash_are_pinned():
+    layout = B.root_layout(0x0102030405060708, "s")
+    assert layout == struct.pack("<HQBI", 1, 0x0102030405060708, 1, 1) + b"s"
+    assert layout.hex() == "01000807060504030201010100000073"
+    assert root_hash(0x0102030405060708, "s").hex() == "1f16de26a485c0ce682564c0d6e99d1c"
+    assert root_hash(0x0102030405060708, None).hex() == "1af20d4413c0e76bef7d96e6e0803112"
+    assert ROOT.hex() == "6513f3817db934d6c8b392e7b1c5e19e"
+
+
+def test_block_layout_and_hash_are_pinned():
+    extra = (ExtraKey(A, offset=2, start_in_block=0, length=5),)
+    layout = B.block_layout(ROOT, [1, 2, 3, 4], extra)
+    assert layout == ROOT + struct.pack("<5I", 4, 1, 2, 3, 4) + struct.pack("<I", 1) + A + struct.pack("<3I", 2, 0, 5)
+    assert hash_block(ROOT, [1, 2, 3, 4], extra).hex() == "dbc3673b7ab2e65fec325d94b7617488"
+    hashes = block_hashes(ROOT, [1, 2, IMG, IMG, IMG, IMG, IMG, 3, 4], [MMPlaceholder(A, 2, 5)], 4)
+    assert [h.hex() for h in hashes] == ["bf4b3e9998b7f53c982dcdcd1881da68", "481eea13a2211e0e5e1a35995d9fad6a"]
+    assert hashes[1] == hash_block(hashes[0], [IMG] * 3 + [3], extra)
+
+
+# -- roots and chaining --------------------------------------------------------------------------
+
+
+def test_root_separates_models_and_salts():
+    roots = {root_hash(1, None), root_hash(2, None), root_hash(1, ""), root_hash(1, "a"), root_hash(1, "b")}
+    assert len(roots) == 5
+    assert all(len(r) == 16 for r in roots)
+    tokens = list(range(8))
+    assert block_hashes(root_hash(1, None), tokens, [], 4) != block_hashes(root_hash(2, None), tokens, [], 4)
+
+
+def test_only_full_blocks_are_hashed():
+    assert block_hashes(ROOT, [1, 2, 3], [], 4) == []
+    assert len(block_hashes(ROOT, list(range(11)), [], 4)) == 2
+    assert block_hashes(ROOT, list(range(12)), [], 4)[:2] == block_hashes(ROOT, list(range(11)), [], 4)
+
+
+def test_text_only_blocks_have_an_empty_extra_key():
+    tokens = list(range(8))
+    hashes = block_hashes(ROOT, tokens, [], 4)
+    assert hashes[0] == hash_block(ROOT, tokens[:4], ())
+    assert hashes[1] == hash_block(hashes[0], tokens[4:], ())
+
+
+# -- multimodal extra keys (F2) ---------------------------------------------------------------
+
+
+def _prompt(n_before=3, n_img=6, n_after=7):
+    """Text, one image's placeholder run, text; block size 4 puts the image across 3 blocks."""
+    tokens = list(range(100, 100 + n_before)) + [IMG] * n_img + list(range(200, 200 + n_after))
+    return tokens, n_before, n_img
+
+
+def test_same_tokens_with_different_images_never_share_a_block():
+    tokens, start, length = _prompt()
+    with_a = block_hashes(ROOT, tokens, [MMPlaceholder(A, start, length)], 4)
+    with_c = block_hashes(ROOT, tokens, [MMPlaceholder(C, start, length)], 4)
+    assert with_a[0] != with_c[0]  # block 0 holds the image's first placeholder
+    assert all(a != c for a, c in zip(with_a, with_c))
+    assert len(with_a) == 4
+
+
+def test_identical_images_share_every_block():
+    tokens, start, length = _prompt()
+    first = block_hashes(ROOT, tokens, [MMPlaceholder(A, start, length)], 4)
+    again = block_hashes(ROOT, tokens, [MMPlaceholder(A_AGAIN, start, length)], 4)
+    assert first == again
+
+
+def test_text_blocks_depend_on_images_only_through_the_chain():
+    tokens = list(range(100, 108)) + [IMG] * 4 + list(range(200, 208))
+    with_a = block_hashes(ROOT, tokens, [MMPlaceholder(A, 8, 4)], 4)
+    with_c = block_hashes(ROOT, tokens, [MMPlaceholder(C, 8, 4)], 4)
+    assert with_a[:2] == with_c[:2]  # text before the image: untouched
+    assert with_a[2] != with_c[2]
+    for hashes in (with_a, with_c):  # text after: an empty extra key, chained from the image block
+        assert hashes[3] == hash_block(hashes[2], tokens[12:16], ())
+        assert hashes[4] == hash_block(hashes[3], tokens[16:20], ())
+
+
+def test_offset_into_the_item_tells_its_blocks_apart():
+    tokens = [IMG] * 8
+    assert block_extra_keys([MMPlaceholder(A, 0, 8)], 4, 8) == (ExtraKey(A, 4, 0, 8),)
+    assert block_extra_keys([MMPlaceholder(A, 2, 8)], 4, 8) == (ExtraKey(A, 2, 0, 8),)
+    assert block_extra_keys([MMPlaceholder(A, 6, 2)], 4, 8) == (ExtraKey(A, 0, 2, 2),)
+    h = block_hashes(ROOT, tokens, [MMPlaceholder(A, 0, 8)], 4)
+    assert hash_block(h[0], tokens[4:], (ExtraKey(A, 4, 0, 8),)) == h[1]
+    assert hash_block(h[0], tokens[4:], (ExtraKey(A, 0, 0, 8),)) != h[1]
+
+
+def test_swapped_images_inside_one_block_differ():
+    # (mm_hash, offset) sorted by hash would be {(A, 0), (C, 0)} both ways: position order counts.
+    tokens = [IMG] * 8
+    a_then_c = block_hashes(ROOT, tokens, [MMPlaceholder(A, 0, 4), MMPlaceholder(C, 4, 4)], 8)
+    c_then_a = block_hashes(ROOT, tokens, [MMPlaceholder(C, 0, 4), MMPlaceholder(A, 4, 4)], 8)
+    assert a_then_c != c_then_a
+
+
+def test_item_start_within_the_block_counts():
+    tokens = [1] + [IMG] * 6 + [1]
+    early = block_hashes(ROOT, tokens, [MMPlaceholder(A, 1, 5)], 8)
+    late = block_hashes(ROOT, tokens, [MMPlaceholder(A, 2, 5)], 8)
+    assert early != late
+
+
+def test_a_later_turn_with_the_same_image_extends_the_earlier_hashes():
+    turn1, start, length = _prompt(n_after=3)
+    turn2 = turn1 + [300, 301, 302, 303, 304, 305, 306, 307]
+    items = [MMPlaceholder(A, start, length)]
+    h1 = block_hashes(ROOT, turn1, items, 4)
+    h2 = block_hashes(ROOT, turn2, items + [MMPlaceholder(C, len(turn2) - 4, 4)], 4)
+    assert h2[: len(h1)] == h1
+    assert len(h2) == len(h1) + 2
+
+
+def test_item_order_in_the_argument_does_not_matter():
+    tokens = [IMG] * 4 + [1, 2] + [IMG] * 4 + [3, 4]
+    items = [MMPlaceholder(A, 0, 4), MMPlaceholder(C, 6, 4)]
+    assert block_hashes(ROOT, tokens, items, 4) == block_hashes(ROOT, tokens, items[::-1], 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_tokens=st.integers(1, 40),
+    block_size=st.integers(1, 8),
+    spans=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), max_size=4),
+    changed=st.integers(0, 3),
+)
+def test_changing_one_image_changes_exactly_the_blocks_from_its_first(n_tokens, block_size, spans, changed):
+    items, pos = [], 0
+    for i, (gap, length) in enumerate(spans):  # non-overlapping runs, laid out left to right
+        pos += gap
+        if pos + length > n_tokens:
+            break
+        items.append(MMPlaceholder(bytes([i]) * 16, pos, length))
+        pos += length
+    tokens = [IMG] * n_tokens
+    base = block_hashes(ROOT, tokens, items, block_size)
+    assert len(base) == n_tokens // block_size
+    if changed >= len(items):
+        return
+    other = list(items)
+    other[changed] = MMPlaceholder(b"\xff" * 16, items[changed].start, items[changed].length)
+    hashes = block_hashes(ROOT, tokens, other, block_size)
+    first = items[changed].start // block_size
+    assert hashes[:first] == base[:first]
+    assert all(a != b for a, b in zip(hashes[first:], base[first:]))
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+
+def test_placeholder_fields_are_validated():
+    with pytest.raises(ValueError):
+        MMPlaceholder(b"short", 0, 1)
+    with pytest.raises(ValueError):
+        MMPlaceholder(A, -1, 1)
+    with pytest.raises(ValueError):
+        MMPlaceholder(A, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [MMPlaceholder(A, 6, 3)],  # runs past the 8 tokens
+        [MMPlaceholder(A, 0, 4), MMPlaceholder(C, 3, 2)],  # overlap
+        [MMPlaceholder(C, 3, 2), MMPlaceholder(A, 0, 4)],  # overlap, unsorted
+        [MMPlaceholder(A, 2, 2), MMPlaceholder(A, 2, 2)],  # the same run twice
+    ],
+)
+def test_placeholders_out_of_range_or_overlapping_are_rejected(items):
+    with pytest.raises(ValueError):
+        block_hashes(ROOT, [IMG] * 8, items, 4)
+
+
+def test_placeholders_in_the_trailing_partial_block_are_still_validated():
+    block_hashes(ROOT, [IMG] * 6, [MMPlaceholder(A, 4, 2)], 4)  # fine: in range
+    with pytest.raises(ValueError):
+        block_hashes(ROOT, [IMG] * 6, [MMPlaceholder(A, 4, 3)], 4)
+
+
+@pytest.mark.parametrize("tokens", [[1, -1, 2, 3], [1, 2**32, 2, 3], [1.0, 2.0, 3.0, 4.0], [True] * 4, [[1, 2], [3, 4]]])
+def test_bad_token_ids_are_rejected(tokens):
+    with pytest.raises(ValueError):
+        block_hashes(ROOT, tokens, [], 2)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError):
+        block_hashes(ROOT, [1, 2], [], 0)
+    with pytest.raises(ValueError):
+        hash_block(b"short", [1], ())
+    with pytest.raises(TypeError):
+        block_hashes(ROOT, [1, 2], [(A, 0, 1)], 2)
+    with pytest.raises(ValueError):
+        root_hash(-1, None)
+
+
+def test_token_id_sequences_of_any_int_type_agree():
+    import numpy as np
+
+    tokens = [5, 6, 2**32 - 1, 0]
+    expected = block_hashes(ROOT, tokens, [], 2)
+    assert block_hashes(ROOT, tuple(tokens), [], 2) == expected
+    assert block_hashes(ROOT, np.array(tokens, dtype=np.int64), [], 2) == expected
+    assert block_hashes(ROOT, np.array(tokens, dtype=np.uint32), [], 2) == expected

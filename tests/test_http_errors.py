@@ -1,0 +1,147 @@
+"""Every user-caused error over HTTP: the right status, the OpenAI error shape, and the server
+keeps serving afterwards."""
+
+import base64
+import io
+import struct
+import zlib
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests.helpers import ServerThread, colour_question, data_url
+
+MAX_BODY = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tiny_config):
+    with ServerThread(tiny_config.replace(server={"max_body_bytes": MAX_BODY})) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def chat(client, body=None, **kw):
+    return client.post("/v1/chat/completions", **({"json": body} if body is not None else {}), **kw)
+
+
+def png_with_header_size(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims width x height (a decompression-bomb shape)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = data[12:29]  # b"IHDR" + 13 bytes of fields
+    ihdr[4:12] = struct.pack(">II", width, height)
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
+    return bytes(data)
+
+
+def image_message(url: str) -> dict:
+    return {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What color is the shape?"}]}],
+        "max_tokens": 2}
+
+
+def b64(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def assert_error(resp, status, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def assert_still_serving(client):
+    ok = chat(client, {"messages": colour_question("red"), "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+PNG = io.BytesIO()
+Image.new("RGB", (8, 8), "red").save(PNG, "PNG")
+
+
+@pytest.mark.parametrize("case, status, code", [
+    ("bad_json", 400, None),
+    ("invalid_utf8", 400, None),
+    ("not_object", 400, None),
+    ("no_messages", 400, None),
+    ("n_2", 400, "unsupported_parameter"),
+    ("tools", 400, "unsupported_parameter"),
+    ("unknown_model", 404, "model_not_found"),
+    ("too_large", 413, "payload_too_large"),
+    ("bad_base64", 422, "invalid_image"),
+    ("not_an_image", 422, "invalid_image"),
+    ("truncated_png", 422, "invalid_image"),
+    ("gif", 422, "invalid_image"),
+    ("huge_dimensions", 422, "image_too_large"),
+    ("remote_url", 400, "remote_images_disabled"),
+])
+def test_error_status_and_shape(client, case, status, code):
+    bodies = {
+        "bad_json": dict(content=b"{nope", headers={"content-type": "application/json"}),
+        "invalid_utf8": dict(content=b'{"messages": "\xff\xfe"}', headers={"content-type": "application/json"}),
+        "not_object": dict(json=[1, 2]),
+        "no_messages": dict(json={"model": "tiny"}),
+        "n_2": dict(json={"messages": colour_question("red"), "n": 2}),
+        "tools": dict(json={"messages": colour_question("red"), "tools": [{"type": "function"}]}),
+        "unknown_model": dict(json={"messages": colour_question("red"), "model": "gpt-9"}),
+        "too_large": dict(json={"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}),
+        "bad_base64": dict(json=image_message("data:image/png;base64,@@@notbase64")),
+        "not_an_image": dict(json=image_message(b64(b"hello world, not an image"))),
+        "truncated_png": dict(json=image_message(b64(PNG.getvalue()[:40]))),
+        "gif": dict(json=image_message(data_url(Image.new("RGB", (8, 8)), "GIF"))),
+        "huge_dimensions": dict(json=image_message(b64(png_with_header_size(100_000, 100_000)))),
+        "remote_url": dict(json=image_message("https://example.com/cat.png")),
+    }
+    resp = client.post("/v1/chat/completions", **bodies[case])
+    assert_error(resp, status, code)
+    assert resp.headers["x-request-id"]
+    assert_still_serving(client)
+
+
+def test_unknown_route_and_method_use_the_error_shape(client):
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/chat/completions"), 405)
+
+
+def test_not_ready_is_503_for_chat_and_health(server, client):
+    sup = server.run_sync(lambda: None) or None  # noqa: F841 (ensures the loop is alive)
+    server.run_sync(_set_ready, server, False)
+    try:
+        assert client.get("/health").status_code == 503
+        assert client.get("/health").json()["reason"] == "starting"
+        assert_error(chat(client, {"messages": colour_question("red")}), 503, "service_unavailable")
+    finally:
+        server.run_sync(_set_ready, server, True)
+    assert client.get("/health").status_code == 200
+    assert_still_serving(client)
+
+
+def _set_ready(server, value):
+    import gc
+
+    from mmserve.runtime.runtime import Runtime
+
+    for obj in gc.get_objects():
+        if isinstance(obj, Runtime) and obj.config.server.max_body_bytes == MAX_BODY:
+            obj.supervisor.ready = value
+
+
+def test_models_and_request_id(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    resp = chat(client, {"messages": colour_question("red"), "max_tokens": 1}, headers={"x-request-id": "abc-123"})
+    assert resp.headers["x-request-id"] == "abc-123"
+    assert resp.json()["id"] == "chatcmpl-abc-123"

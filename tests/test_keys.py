@@ -1,0 +1,353 @@
+"""Content keys: pinned layouts and digests, and what changes a key (DESIGN.md F1, F5)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from mmserve.cache import keys as K
+from mmserve.cache.keys import (
+    UncacheableInput,
+    WeightFile,
+    image_identity,
+    key_prefix,
+    mm_hash_audio,
+    mm_hash_image,
+    model_sig,
+    model_sig_from_parts,
+    processor_digest,
+)
+
+SIG = 0x0102030405060708
+PROC = 0x1112131415161718
+
+
+def lp(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<I", len(data)) + data
+
+
+# -- pinned layouts ----------------------------------------------------------------------------
+# These literals are the contract with every other process, replica and disk tier that shares
+# keys. If one of these tests fails, you changed a layout: bump its version constant and re-pin.
+
+
+def test_layout_versions_and_seeds_are_pinned():
+    assert (K.MODEL_SIG_LAYOUT_VERSION, K.PROCESSOR_DIGEST_LAYOUT_VERSION, K.MM_HASH_LAYOUT_VERSION) == (1, 1, 1)
+    assert K.SEED_MODEL_SIG == 0x4D4D534552560001
+    assert K.SEED_PROCESSOR == 0x4D4D534552560002
+    assert K.SEED_MM_HASH == 0x4D4D534552560003
+    assert (K.MODALITY_IMAGE, K.MODALITY_AUDIO) == (1, 2)
+
+
+def _sig_parts():
+    config = {"tokenizer.json": b"T", "config.json": b'{"a":1}'}  # unsorted on purpose
+    weights = [WeightFile("model.safetensors", 100, b'{"x":{}}', bytes(range(16)))]
+    return config, weights
+
+
+def test_model_sig_layout_bytes_are_pinned():
+    config, weights = _sig_parts()
+    expected = b"".join(
+        [
+            struct.pack("<H", 1),
+            lp("demo"),
+            struct.pack("<I", 2),
+            lp("config.json") + struct.pack("<Q", 7) + b'{"a":1}',
+            lp("tokenizer.json") + struct.pack("<Q", 1) + b"T",
+            struct.pack("<I", 1),
+            lp("model.safetensors") + struct.pack("<QQ", 100, 8) + b'{"x":{}}',
+            struct.pack("<B", 16) + bytes(range(16)),
+        ]
+    )
+    layout = K.model_sig_layout("demo", config, weights)
+    assert layout == expected
+    assert layout.hex() == (
+        "01000400000064656d6f020000000b000000636f6e6669672e6a736f6e07000000000000007b2261223a317d"
+        "0e000000746f6b656e697a65722e6a736f6e010000000000000054010000001100000"
+        "06d6f64656c2e7361666574656e736f7273640000000000000008000000000000007b2278223a7b7d7d"
+        "10000102030405060708090a0b0c0d0e0f"
+    )
+    assert model_sig_from_parts("demo", config, weights) == 0x17FD6EB0F888528A
+
+
+def test_processor_digest_is_pinned_and_canonical():
+    settings = {"size": {"shortest_edge": 32}, "image_mean": [0.5, 0.25], "do_resize": True}
+    assert K.canonical_json(settings) == b'{"do_resize":true,"image_mean":[0.5,0.25],"size":{"shortest_edge":32}}'
+    assert processor_digest(settings) == 0x5DC2940917A06BF4
+    reordered = {"do_resize": True, "image_mean": [0.5, 0.25], "size": {"shortest_edge": 32}}
+    assert processor_digest(reordered) == processor_digest(settings)
+
+
+def test_image_header_and_hash_are_pinned():
+    pixels = np.arange(18, dtype=np.uint8).reshape(2, 3, 3)
+    header = K.image_header(SIG, PROC, "RGB", (3, 2), pixels)
+    expected = b"".join(
+        [
+            struct.pack("<HBQQ", 1, 1, SIG, PROC),
+            lp("RGB"),
+            struct.pack("<II", 3, 2),
+            lp("|u1"),
+            struct.pack("<IIII", 3, 2, 3, 3),
+        ]
+    )
+    assert header == expected
+    assert header.hex() == (
+        "010001080706050403020118171615141312110300000052474203000000020000000300"
+        "00007c753103000000020000000300000003000000"
+    )
+    assert mm_hash_image(SIG, PROC, "RGB", (3, 2), pixels).hex() == "e973a9ee69895ced08718f86e164e100"
+
+
+def test_audio_header_and_hash_are_pinned():
+    samples = np.array([0.0, 0.5, -1.0], dtype=np.float32)
+    header = K.audio_header(1, 2, samples, 16000)
+    assert header == struct.pack("<HBQQI", 1, 2, 1, 2, 16000) + lp("<f4") + struct.pack("<II", 1, 3)
+    assert mm_hash_audio(1, 2, samples, 16000).hex() == "8a58fa4be386ed2107553a47b39725c3"
+
+
+# -- processor digest --------------------------------------------------------------------------
+
+
+def test_processor_digest_changes_with_any_setting():
+    base = {"crop_size": 32, "image_mean": [0.48, 0.45, 0.40], "resample": 3}
+    digests = {
+        processor_digest(base),
+        processor_digest({**base, "crop_size": 33}),
+        processor_digest({**base, "image_mean": [0.48, 0.45, 0.41]}),
+        processor_digest({**base, "resample": 2}),
+        processor_digest({**base, "extra": None}),
+    }
+    assert len(digests) == 5
+
+
+def test_processor_digest_floats_as_repr_and_numpy_values():
+    assert K.canonical_json({"x": 0.1, "y": 1e-7}) == b'{"x":0.1,"y":1e-07}'
+    as_numpy = {"mean": np.array([0.5, 0.25]), "n": np.int64(3)}
+    assert processor_digest(as_numpy) == processor_digest({"mean": [0.5, 0.25], "n": 3})
+
+
+def test_processor_digest_rejects_what_has_no_canonical_form():
+    with pytest.raises(ValueError):
+        processor_digest({"x": float("nan")})
+    with pytest.raises(TypeError):
+        processor_digest({"x": object()})
+
+
+# -- image keys --------------------------------------------------------------------------------
+
+
+def _rgb(seed: int = 0, size=(8, 6)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+
+
+def _decode(data: bytes) -> Image.Image:
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img
+
+
+def _encode(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def test_files_decoding_to_the_same_pixels_share_a_key():
+    jpeg = _decode(_encode(Image.fromarray(_rgb()), "JPEG", quality=80))
+    png = _decode(_encode(jpeg, "PNG"))
+    bmp = _decode(_encode(jpeg, "BMP"))
+    keys = {image_identity(SIG, PROC, img) for img in (jpeg, png, bmp)}
+    assert len(keys) == 1 and None not in keys
+
+
+def test_a_differing_pixel_size_mode_setting_or_model_gives_a_different_key():
+    pixels = _rgb()
+    base = mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels)
+    flipped = pixels.copy()
+    flipped[5, 7, 2] ^= 1
+    reshaped = pixels.reshape(8, 6, 3)  # same bytes, other geometry
+    gray = pixels[..., 0]
+    variants = [
+        mm_hash_image(SIG, PROC, "RGB", (8, 6), flipped),
+        mm_hash_image(SIG, PROC, "RGB", (6, 8), reshaped),
+        mm_hash_image(SIG, PROC + 1, "RGB", (8, 6), pixels),
+        mm_hash_image(SIG + 1, PROC, "RGB", (8, 6), pixels),
+        mm_hash_image(SIG, PROC, "L", (8, 6), gray),
+        mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels.astype(np.float32)),
+    ]
+    assert len({base, *variants}) == 1 + len(variants)
+    assert all(len(k) == 16 for k in variants)
+    assert mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels.copy()) == base
+
+
+def test_rgba_and_rgb_with_equal_bytes_differ_by_mode():
+    pixels = np.zeros((2, 3, 4), dtype=np.uint8)
+    assert mm_hash_image(SIG, PROC, "RGBA", (3, 2), pixels) != mm_hash_image(SIG, PROC, "LA", (3, 2), pixels[..., :2])
+
+
+def test_byte_order_and_memory_layout_do_not_change_the_key():
+    pixels = np.linspace(0, 1, 6 * 8 * 3, dtype="<f4").reshape(6, 8, 3)
+    big_endian = pixels.astype(">f4")
+    fortran = np.asfortranarray(pixels)
+    strided = np.repeat(pixels, 2, axis=1)[:, ::2]
+    base = mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels)
+    for arr in (big_endian, fortran, strided):
+        assert mm_hash_image(SIG, PROC, "RGB", (8, 6), arr) == base
+
+
+def test_mm_hash_image_rejects_inputs_without_a_faithful_key():
+    pixels = _rgb()
+    with pytest.raises(UncacheableInput):
+        mm_hash_image(SIG, PROC, "P", (8, 6), pixels[..., 0])  # palette not in the array
+    with pytest.raises(UncacheableInput):
+        mm_hash_image(SIG, PROC, "RGB", (6, 8), pixels)  # size disagrees with the array
+    with pytest.raises(UncacheableInput):
+        mm_hash_image(SIG, PROC, "RGB", (0, 0), np.zeros((0, 0, 3), np.uint8))
+    with pytest.raises(UncacheableInput):
+        mm_hash_image(SIG, PROC, "RGB", (1, 1), np.array([[[object()] * 3]], dtype=object))
+    with pytest.raises(ValueError):
+        mm_hash_image(-1, PROC, "RGB", (8, 6), pixels)  # a caller bug, not uncacheable input
+    with pytest.raises(TypeError):
+        mm_hash_image(SIG, PROC, "RGB", (8, 6), torch.zeros(6, 8, 3))
+    assert issubclass(UncacheableInput, ValueError)
+
+
+@pytest.mark.parametrize("mode", sorted(K.CACHEABLE_IMAGE_MODES))
+def test_image_identity_of_cacheable_modes(mode):
+    img = Image.fromarray(_rgb()).convert(mode)
+    key = image_identity(SIG, PROC, img)
+    assert key == mm_hash_image(SIG, PROC, mode, img.size, np.asarray(img))
+    assert len(key) == 16
+
+
+def test_image_identity_is_none_for_uncacheable_images():
+    rgb = Image.fromarray(_rgb())
+    palette = rgb.convert("P")
+    assert image_identity(SIG, PROC, palette) is None
+    assert image_identity(SIG, PROC, Image.new("I;16", (4, 4))) is None
+    assert image_identity(SIG, PROC, rgb.convert("CMYK")) is None
+    assert image_identity(SIG, PROC, Image.new("RGB", (0, 0))) is None
+    truncated = Image.open(io.BytesIO(_encode(rgb, "PNG")[:60]))
+    assert image_identity(SIG, PROC, truncated) is None
+    # converting first makes it cacheable
+    assert image_identity(SIG, PROC, palette.convert("RGB")) is not None
+
+
+def test_image_identity_raises_for_caller_bugs():
+    with pytest.raises(ValueError):
+        image_identity(2**64, PROC, Image.new("RGB", (2, 2)))
+
+
+# -- audio keys --------------------------------------------------------------------------------
+
+
+def test_audio_key_changes_with_samples_rate_and_identity():
+    samples = np.sin(np.arange(400, dtype=np.float32) / 7)
+    base = mm_hash_audio(SIG, PROC, samples, 16000)
+    changed = samples.copy()
+    changed[123] += 1e-3
+    variants = [
+        mm_hash_audio(SIG, PROC, changed, 16000),
+        mm_hash_audio(SIG, PROC, samples, 22050),
+        mm_hash_audio(SIG + 1, PROC, samples, 16000),
+        mm_hash_audio(SIG, PROC + 1, samples, 16000),
+        mm_hash_audio(SIG, PROC, samples.reshape(200, 2), 16000),
+    ]
+    assert len({base, *variants}) == 1 + len(variants)
+    assert mm_hash_audio(SIG, PROC, samples.astype(">f4"), 16000) == base
+    with pytest.raises(ValueError):
+        mm_hash_audio(SIG, PROC, samples, 0)
+
+
+def test_image_and_audio_with_equal_bytes_never_share_a_key():
+    data = np.zeros((4, 4), dtype=np.uint8)
+    assert mm_hash_image(SIG, PROC, "L", (4, 4), data) != mm_hash_audio(SIG, PROC, data, 4)
+
+
+# -- model signature from files ----------------------------------------------------------------
+
+
+def _write_model(path, *, seed=0, hidden=8, config=None, extra=None):
+    path.mkdir(parents=True)
+    torch.manual_seed(seed)
+    save_file({"w": torch.randn(hidden, 4), "b": torch.zeros(hidden)}, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config or {"hidden_size": hidden}))
+    (path / "tokenizer.json").write_text('{"vocab": {"a": 0}}')
+    (path / "chat_template.jinja").write_text("{{ messages }}")
+    for name, text in (extra or {}).items():
+        (path / name).write_text(text)
+    return path
+
+
+def test_model_sig_same_checkpoint_anywhere_gives_the_same_sig(tmp_path):
+    a = _write_model(tmp_path / "a")
+    b = tmp_path / "elsewhere" / "b"
+    shutil.copytree(a, b)
+    (b / "README.md").write_text("not part of the model")
+    assert model_sig("demo", a) == model_sig("demo", b)
+    assert 0 <= model_sig("demo", a) < 2**64
+
+
+def test_model_sig_differs_for_any_other_checkpoint_under_the_same_name(tmp_path):
+    base = model_sig("demo", _write_model(tmp_path / "base"))
+    others = [
+        model_sig("other", _write_model(tmp_path / "name")),
+        model_sig("demo", _write_model(tmp_path / "finetune", seed=1)),  # same shapes, same hidden size
+        model_sig("demo", _write_model(tmp_path / "config", config={"hidden_size": 8, "x": 1})),
+        model_sig("demo", _write_model(tmp_path / "tok", extra={"tokenizer_config.json": "{}"})),
+        model_sig("demo", _write_model(tmp_path / "proc", extra={"preprocessor_config.json": "{}"})),
+    ]
+    assert len({base, *others}) == 1 + len(others)
+
+
+def test_model_sig_without_weight_content_still_sees_headers_and_sizes(tmp_path):
+    a = model_sig("demo", _write_model(tmp_path / "a"), hash_weights=False)
+    finetune = model_sig("demo", _write_model(tmp_path / "b", seed=1), hash_weights=False)
+    wider = model_sig("demo", _write_model(tmp_path / "c", hidden=16), hash_weights=False)
+    assert a == finetune  # the documented blind spot of hash_weights=False
+    assert a != wider
+
+
+def test_model_sig_covers_bin_weights(tmp_path):
+    path = _write_model(tmp_path / "m")
+    base = model_sig("demo", path)
+    (path / "pytorch_model.bin").write_bytes(b"\x00" * 32)
+    with_bin = model_sig("demo", path)
+    (path / "pytorch_model.bin").write_bytes(b"\x01" + b"\x00" * 31)
+    assert len({base, with_bin, model_sig("demo", path)}) == 3
+
+
+def test_model_sig_rejects_missing_or_corrupt_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        model_sig("demo", tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        model_sig("demo", tmp_path / "empty")
+    path = _write_model(tmp_path / "corrupt")
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(ValueError):
+        model_sig("demo", path)
+
+
+def test_read_safetensors_header(tmp_path):
+    path = _write_model(tmp_path / "m") / "model.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    assert K.read_safetensors_header(path) == raw[8 : 8 + length]
+    assert json.loads(K.read_safetensors_header(path))["w"]["shape"] == [8, 4]
+
+
+def test_key_prefix():
+    assert key_prefix(bytes(range(16))) == "000102030405"
+    assert key_prefix(0x17FD6EB0F888528A) == "17fd6eb0f888"
+    assert key_prefix(1) == "000000000000"
