@@ -156,7 +156,7 @@ def test_put_of_a_present_key_refreshes_and_pins_but_stores_nothing():
     assert (result.stored, result.reason, result.cached) == (False, ALREADY_PRESENT, True)
     assert cache.get(k(1)) is first and cache.pins(k(1)) == 1
     assert cache.keys() == [k(2), k(1)]
-    assert cache.stats().inserts == 1
+    assert cache.stats().inserts == 2
 
 
 def test_put_with_pin_owner_pins_only_when_cached():

@@ -1,0 +1,117 @@
+"""End to end over a real socket with the official `openai` client against the trained demo model."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from mmserve.models.demo import Q_COLOR, render_image
+from tests.helpers import ask, colour_question
+
+
+@pytest.fixture(scope="module")
+def client(demo_server):
+    return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+class HealthProbe:
+    """Polls /health in a thread and records each answer's status and latency."""
+
+    def __init__(self, url):
+        self.url, self.samples, self._stop = url + "/health", [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=5) as c:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                status = c.get(self.url).status_code
+                self.samples.append((status, time.perf_counter() - t))
+                time.sleep(0.01)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.parametrize("color", ["red", "green", "blue"])
+def test_colour_answers(client, color):
+    r = client.chat.completions.create(model="demo", messages=colour_question(color, "square", seed=3), temperature=0)
+    assert color in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 16 and r.usage.completion_tokens >= 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streaming_equals_non_streaming(client):
+    msgs = colour_question("purple", "triangle", seed=5)
+    full = client.chat.completions.create(model="demo", messages=msgs, temperature=0)
+    chunks = list(client.chat.completions.create(model="demo", messages=msgs, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_closing_a_stream_after_two_chunks_leaves_server_serving(client, demo_server):
+    with HealthProbe(demo_server.url) as probe:
+        stream = client.chat.completions.create(
+            model="demo", messages=colour_question("red"), temperature=0, stream=True,
+            max_tokens=1000, extra_body={"min_tokens": 1000})
+        for i, _ in enumerate(stream):
+            if i == 1:
+                break
+        stream.close()
+        after = client.chat.completions.create(model="demo", messages=colour_question("green"), temperature=0)
+        assert "green" in after.choices[0].message.content
+        time.sleep(0.3)
+    assert probe.samples and all(status == 200 for status, _ in probe.samples)
+    assert max(lat for _, lat in probe.samples) < 0.1, sorted(lat for _, lat in probe.samples)[-5:]
+    gen = demo_server.run_sync(lambda: _running(demo_server))
+    assert gen == 0
+
+
+def _running(server):
+    import gc
+
+    from mmserve.actors.generator import Generator
+
+    return sum(len(g.running) for g in gc.get_objects() if isinstance(g, Generator))
+
+
+def test_sampling_parameters(client):
+    msgs = colour_question("yellow", "circle", seed=9)
+    a = client.chat.completions.create(model="demo", messages=msgs, temperature=1.5, top_p=0.9, seed=11, max_tokens=8)
+    b = client.chat.completions.create(model="demo", messages=msgs, temperature=1.5, top_p=0.9, seed=11, max_tokens=8)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    capped = client.chat.completions.create(model="demo", messages=msgs, max_completion_tokens=3,
+                                            extra_body={"min_tokens": 3}, temperature=0)
+    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
+    stopped = client.chat.completions.create(model="demo", messages=msgs, temperature=0, stop=["llow"])
+    assert stopped.choices[0].message.content.strip() == "ye" and stopped.choices[0].finish_reason == "stop"
+
+
+def test_multi_turn_and_system_prompt(client):
+    img = render_image("orange", "triangle", background="black", seed=21)
+    msgs = [{"role": "system", "content": "Answer briefly."}, *ask(img, Q_COLOR),
+            {"role": "assistant", "content": "orange"},
+            {"role": "user", "content": "What color is the background?"}]
+    r = client.chat.completions.create(model="demo", messages=msgs, temperature=0)
+    assert r.choices[0].message.content.strip() == "black"
+
+
+def test_errors_through_the_official_client(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=colour_question("red"))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo", messages=colour_question("red"), n=2)
+    assert info.value.body["code"] == "unsupported_parameter"
+    assert [m.id for m in client.models.list()] == ["demo", "demo-wide"]
