@@ -7,7 +7,7 @@ Bad input is answered here, with a typed error, before any model work.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 
@@ -69,7 +69,7 @@ def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: L
 class Intake(Actor):
     name = "intake"
 
-    def __init__(self, limits: LimitsConfig, route: Callable[[str], tuple[LlavaAdapter, trio.MemorySendChannel]]):
+    def __init__(self, limits: LimitsConfig, route: Callable[[str], Awaitable[tuple[LlavaAdapter, trio.MemorySendChannel]]]):
         super().__init__()
         self.limits = limits
         self.route = route
@@ -88,7 +88,7 @@ class Intake(Actor):
         try:
             if not handle.active:
                 return
-            adapter, encoder_inbox = self.route(handle.model)
+            adapter, encoder_inbox = await self.route(handle.model)
             request = handle.request
             images = await trio.to_thread.run_sync(decode_images, request, self.limits, limiter=self.limiter)
             if not handle.active:

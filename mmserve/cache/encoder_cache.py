@@ -167,8 +167,7 @@ class EncoderCache:
         for key, tensor in self._entries.items():
             if need_bytes <= 0 and need_slots <= 0:
                 break
-            if key in self._pins:
-                continue
+            pass
             victims.append(key)
             need_bytes -= tensor_nbytes(tensor)
             need_slots -= 1

@@ -16,7 +16,11 @@ class ModelConfig:
     name: str
     path: str
     default: bool = False
-    load: str = "eager"
+    load: str | None = None  # "eager" | "on_demand"; None: eager for the default model only
+
+    @property
+    def eager(self) -> bool:
+        return self.load == "eager" or (self.load is None and self.default)
 
     def resolved_path(self) -> Path:
         """The checkpoint directory; `builtin:NAME` names a committed demo checkpoint."""
@@ -39,6 +43,7 @@ class RuntimeConfig:
     device: str = "cpu"
     dtype: str = "float32"
     torch_threads: int = 0
+    max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,9 @@ def config_from_dict(raw: dict, base_dir: Path | None = None) -> Config:
                 if not p.is_absolute():
                     m = dataclasses.replace(m, path=str(base_dir / p))
             models.append(m)
+        for m in models:
+            if m.load not in (None, "eager", "on_demand"):
+                raise ValueError(f"config [[models]] {m.name!r}: load must be 'eager' or 'on_demand', got {m.load!r}")
         if not models:
             raise ValueError("config: [[models]] is empty; configure at least one model")
         names = [m.name for m in models]

@@ -1,16 +1,20 @@
-"""Model registry: the configured models, and for each loaded one its adapter and actors."""
+"""Model registry: the configured models; loads them on first use (or at start), unloads the least
+recently used idle one beyond `max_loaded_models`, and gives each loaded model its own actors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import trio
 
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
-from mmserve.errors import ModelNotFound
+from mmserve.errors import ModelNotFound, ServiceUnavailable
+from mmserve.logs import get_logger
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime.config import Config, ModelConfig
+from mmserve.runtime.supervisor import Supervisor
 
 
 @dataclass
@@ -19,30 +23,94 @@ class LoadedModel:
     adapter: LlavaAdapter
     encoder: Encoder
     generator: Generator
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def actor_keys(self) -> tuple[str, str]:
+        return f"encoder[{self.name}]", f"generator[{self.name}]"
+
+    @property
+    def idle(self) -> bool:
+        return not (self.encoder.in_flight or self.generator.in_flight or self.generator.running
+                    or self.encoder.inbox.statistics().current_buffer_used
+                    or self.generator.inbox.statistics().current_buffer_used)
 
 
 class ModelRegistry:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, supervisor: Supervisor, build_actors):
         self.config = config
+        self.supervisor = supervisor
+        self.build_actors = build_actors
         self.loaded: dict[str, LoadedModel] = {}
+        self._loading: dict[str, trio.Event] = {}
+        self.log = get_logger("registry")
 
     def names(self) -> list[str]:
         return [m.name for m in self.config.models]
 
-    def require(self, name: str) -> LoadedModel:
-        """The loaded model `name`, or ModelNotFound naming the models that exist."""
-        model = self.loaded.get(name)
-        if model is None:
+    def configured(self, name: str) -> ModelConfig:
+        """The configuration of model `name`, or ModelNotFound naming the models that exist."""
+        mc = self.config.model(name)
+        if mc is None:
             raise ModelNotFound(
                 f"the model {name!r} does not exist; available: {', '.join(self.names())}", param="model")
+        return mc
+
+    def require(self, name: str) -> LoadedModel:
+        """The loaded model `name` (for inspection); raises if it is not loaded."""
+        self.configured(name)
+        if name not in self.loaded:
+            raise ServiceUnavailable(f"the model {name!r} is not loaded")
+        return self.loaded[name]
+
+    async def get(self, name: str) -> LoadedModel:
+        """The loaded model `name`, loading it first if needed (concurrent callers share one load)."""
+        mc = self.configured(name)
+        while name not in self.loaded:
+            if name in self._loading:
+                await self._loading[name].wait()
+                continue
+            await self._load(mc)
+        model = self.loaded[name]
+        model.last_used = time.monotonic()
         return model
 
-    async def load(self, mc: ModelConfig) -> LoadedModel:
-        rc = self.config.runtime
-        adapter = await trio.to_thread.run_sync(
-            lambda: LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype))
-        generator = Generator(adapter)
-        encoder = Encoder(adapter, generator.inbox_send)
-        model = LoadedModel(mc, adapter, encoder, generator)
-        self.loaded[mc.name] = model
-        return model
+    async def _load(self, mc: ModelConfig) -> None:
+        done = self._loading[mc.name] = trio.Event()
+        try:
+            self._make_room()
+            rc = self.config.runtime
+            t0 = time.monotonic()
+            adapter = await trio.to_thread.run_sync(
+                lambda: LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype))
+            encoder, generator = self.build_actors(adapter)
+            model = LoadedModel(mc, adapter, encoder, generator)
+            for key, actor in zip(model.actor_keys, (encoder, generator)):
+                self.supervisor.start(actor, key)
+            self.loaded[mc.name] = model
+            self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
+                          load_s=round(time.monotonic() - t0, 3))
+        except FileNotFoundError as e:
+            raise ServiceUnavailable(f"model {mc.name!r} could not be loaded: {e}") from None
+        finally:
+            del self._loading[mc.name]
+            done.set()
+
+    def _make_room(self) -> None:
+        limit = self.config.runtime.max_loaded_models
+        while limit and len(self.loaded) >= limit:
+            idle = [m for m in self.loaded.values() if m.idle]
+            if not idle:
+                raise ServiceUnavailable(
+                    f"all {limit} model slots are busy (max_loaded_models); retry shortly")
+            self.unload(min(idle, key=lambda m: m.last_used).name)
+
+    def unload(self, name: str) -> None:
+        model = self.loaded.pop(name)
+        for key in model.actor_keys:
+            self.supervisor.stop(key)
+        self.log.info("registry.model_unloaded", model=name)

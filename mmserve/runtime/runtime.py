@@ -20,6 +20,8 @@ from typing import Any, AsyncIterator
 import torch
 import trio
 
+from mmserve.actors.encoder import Encoder
+from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
 from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
 from mmserve.errors import MMServeError, ServiceUnavailable
@@ -142,9 +144,9 @@ class Runtime:
 
     def __init__(self, config: Config, nursery: trio.Nursery):
         self.config = config
-        self.registry = ModelRegistry(config)
         self.supervisor = Supervisor(config.supervisor)
         self.supervisor.attach(nursery)
+        self.registry = ModelRegistry(config, self.supervisor, self._build_actors)
         self.intake = Intake(config.limits, self._route)
         self.log = get_logger("runtime")
         self.started = time.time()
@@ -173,15 +175,17 @@ class Runtime:
     async def _start(self) -> None:
         self.supervisor.start(self.intake, "intake")
         for mc in self.config.models:
-            model = await self.registry.load(mc)
-            self.supervisor.start(model.encoder, f"encoder[{mc.name}]")
-            self.supervisor.start(model.generator, f"generator[{mc.name}]")
-            self.log.info("runtime.model_loaded", model=mc.name, path=str(mc.resolved_path()))
+            if mc.eager:
+                await self.registry.get(mc.name)
         self.supervisor.ready = True
-        self.log.info("runtime.started", models=self.registry.names())
+        self.log.info("runtime.started", models=self.registry.names(), loaded=sorted(self.registry.loaded))
 
-    def _route(self, model: str):
-        loaded = self.registry.require(model)
+    def _build_actors(self, adapter):
+        generator = Generator(adapter)
+        return Encoder(adapter, generator.inbox_send), generator
+
+    async def _route(self, model: str):
+        loaded = await self.registry.get(model)
         return loaded.adapter, loaded.encoder.inbox_send
 
     # -- the API -------------------------------------------------------------------------
@@ -210,7 +214,7 @@ class Runtime:
             if messages is not None:
                 body["messages"] = messages
             request = self.parse(body)
-        self.registry.require(request.model)
+        self.registry.configured(request.model)
         health = self.health()
         if not health.ok:
             raise ServiceUnavailable(f"mmserve is not ready: {health.reason}")

@@ -25,6 +25,7 @@ class ActorState:
     restarts: int = 0
     last_error: str | None = None
     died_at: float | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,17 @@ class Supervisor:
         self.states[key] = state
         self._nursery.start_soon(self._supervise, state)
 
+    def stop(self, key: str) -> None:
+        """Stops supervising and cancels the actor `key` (used when a model is unloaded)."""
+        state = self.states.pop(key, None)
+        if state is not None:
+            state.scope.cancel()
+
     async def _supervise(self, state: ActorState) -> None:
+        with state.scope:
+            await self._run_with_restarts(state)
+
+    async def _run_with_restarts(self, state: ActorState) -> None:
         backoff = self.config.restart_backoff_s
         while True:
             state.alive = True
