@@ -39,5 +39,6 @@ def configure_logging(format: str = "json", level: str = "info", stream: TextIO 
 
 
 def get_logger(actor: str, **bound):
-    """A logger bound to an actor name (and any other fixed fields)."""
-    return structlog.get_logger().bind(actor=actor, **bound)
+    """A logger bound to an actor name (and any other fixed fields). Lazy: it follows later
+    re-configuration (and structlog.testing.capture_logs)."""
+    return structlog.get_logger(actor=actor, **bound)

@@ -6,7 +6,7 @@ from mmserve.logs import configure_logging
 from mmserve.models.demo import build_untrained, checkpoint_dir
 from mmserve.runtime.config import Config, ModelConfig
 
-configure_logging("json", "warning")
+configure_logging("json", "info")
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,8 @@ def test_root_layout_and_hash_are_pinned():
 def test_block_layout_and_hash_are_pinned():
     extra = (ExtraKey(A, offset=2, start_in_block=0, length=5),)
     layout = B.block_layout(ROOT, [1, 2, 3, 4], extra)
-    assert layout == ROOT + struct.pack("<5I", 4, 1, 2, 3, 4) + struct.pack("<I", 1) + A + struct.pack("<3I", 2, 0, 5)
+    expected = ROOT + struct.pack("<5I", 4, 1, 2, 3, 4) + struct.pack("<I", 1) + A + struct.pack("<3I", 2, 0, 5)
+    assert layout == expected
     assert hash_block(ROOT, [1, 2, 3, 4], extra).hex() == "dbc3673b7ab2e65fec325d94b7617488"
     hashes = block_hashes(ROOT, [1, 2, IMG, IMG, IMG, IMG, IMG, 3, 4], [MMPlaceholder(A, 2, 5)], 4)
     assert [h.hex() for h in hashes] == ["bf4b3e9998b7f53c982dcdcd1881da68", "481eea13a2211e0e5e1a35995d9fad6a"]
@@ -206,7 +207,9 @@ def test_placeholders_in_the_trailing_partial_block_are_still_validated():
         block_hashes(ROOT, [IMG] * 6, [MMPlaceholder(A, 4, 3)], 4)
 
 
-@pytest.mark.parametrize("tokens", [[1, -1, 2, 3], [1, 2**32, 2, 3], [1.0, 2.0, 3.0, 4.0], [True] * 4, [[1, 2], [3, 4]]])
+@pytest.mark.parametrize(
+    "tokens", [[1, -1, 2, 3], [1, 2**32, 2, 3], [1.0, 2.0, 3.0, 4.0], [True] * 4, [[1, 2], [3, 4]]]
+)
 def test_bad_token_ids_are_rejected(tokens):
     with pytest.raises(ValueError):
         block_hashes(ROOT, tokens, [], 2)

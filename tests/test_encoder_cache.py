@@ -295,7 +295,12 @@ class EncoderCacheMachine(RuleBasedStateMachine):
         self.fill = 0.0
 
     @precondition(lambda self: hasattr(self, "cache"))
-    @rule(key=st.sampled_from(KEYS), numel=st.integers(0, 12), dtype=st.sampled_from(DTYPES), owner=st.sampled_from([None, *OWNERS]))
+    @rule(
+        key=st.sampled_from(KEYS),
+        numel=st.integers(0, 12),
+        dtype=st.sampled_from(DTYPES),
+        owner=st.sampled_from([None, *OWNERS]),
+    )
     def put(self, key, numel, dtype, owner):
         self.fill += 1
         value = torch.full((numel,), self.fill % 200, dtype=dtype)
@@ -359,9 +364,11 @@ class EncoderCacheMachine(RuleBasedStateMachine):
         assert stats.bytes_in_use == sum(n for n, _ in ref.entries.values()) <= ref.budget
         assert ref.max_entries is None or stats.entries <= ref.max_entries
         assert all(kk in ref.entries for (kk, _), n in ref.pins.items() if n > 0)  # pinned never evicted
-        assert [self.cache.pins(x) for x in KEYS] == [sum(n for (kk, _), n in ref.pins.items() if kk == x) for x in KEYS]
+        ref_pins = [sum(n for (kk, _), n in ref.pins.items() if kk == x) for x in KEYS]
+        assert [self.cache.pins(x) for x in KEYS] == ref_pins
         expected = (ref.hits, ref.misses, ref.inserts, ref.evictions, ref.saved, len(ref.entries))
-        assert (stats.hits, stats.misses, stats.inserts, stats.evictions, stats.bytes_saved, stats.entries) == expected
+        got = (stats.hits, stats.misses, stats.inserts, stats.evictions, stats.bytes_saved, stats.entries)
+        assert got == expected
         assert stats.pinned_entries == sum(1 for x in KEYS if ref.pinned(x))
 
 

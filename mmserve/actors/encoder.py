@@ -1,43 +1,160 @@
-"""Encoder actor: turns each request's images into encoder outputs (vision tower + projector).
+"""Encoder actor: one encoder output per image, from the encoder-output cache or the vision tower.
 
-Runs one model's vision tower in a worker thread and hands the prompt, with one embedding tensor
-per image, to that model's generator.
+It owns its model's `EncoderCache`. Jobs that arrive together (within `batch_wait_ms`) are looked
+up together; their misses are encoded in one batched forward, and an item missing for several
+requests at once is encoded once and shared (in-flight dedup). Entries a job uses are pinned from
+look-up until the job is handed to the generator, so an insertion for another request in the same
+batch can never evict them. Uncacheable items (no content key) are encoded fresh and never stored.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import torch
 import trio
 
 from mmserve.actors.base import Actor
 from mmserve.actors.messages import EncodeJob, GenerateJob
+from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
+from mmserve.cache.keys import key_prefix
+from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
+from mmserve.runtime.config import EncoderCacheConfig
+
+
+@dataclass
+class Miss:
+    """One item to encode, and every (job, image index) waiting for it."""
+
+    key: bytes | None
+    pixels: torch.Tensor
+    waiters: list[tuple[EncodeJob, int]] = field(default_factory=list)
 
 
 class Encoder(Actor):
     name = "encoder"
 
-    def __init__(self, adapter: LlavaAdapter, generator_inbox: trio.MemorySendChannel):
+    def __init__(self, adapter: LlavaAdapter, generator_inbox: trio.MemorySendChannel,
+                 config: EncoderCacheConfig = EncoderCacheConfig()):
         super().__init__(model=adapter.name)
         self.adapter = adapter
         self.generator_inbox = generator_inbox
+        self.config = config
+        self.cache = EncoderCache(config.budget_bytes, config.max_entries or None) if config.enabled else None
+        self.encoder_runs = 0
+        self.items_encoded = 0
 
     async def run(self) -> None:
-        async for job in self.inbox:
+        while True:
+            jobs = await self._gather()
             self.progressed()
-            await self._encode(job)
+            await self._serve(jobs)
             self.progressed()
 
-    async def _encode(self, job: EncodeJob) -> None:
-        handle = job.handle
-        if not handle.active:
-            return
-        embeds: tuple = ()
-        if job.prompt.pixel_values is not None:
-            self.in_flight[handle.request_id] = handle
+    async def _gather(self) -> list[EncodeJob]:
+        """The next batch: every waiting job, and, if some need the tower, those arriving within
+        the batch window (up to max_batch_images images)."""
+        jobs = [await self.inbox.receive()]
+        self._drain(jobs)
+        if self.config.batch_wait_ms > 0 and 0 < self._images(jobs) < self.config.max_batch_images:
+            with trio.move_on_after(self.config.batch_wait_ms / 1000):
+                while self._images(jobs) < self.config.max_batch_images:
+                    jobs.append(await self.inbox.receive())
+                    self._drain(jobs)
+        return jobs
+
+    def _drain(self, jobs: list[EncodeJob]) -> None:
+        while self._images(jobs) < self.config.max_batch_images:
             try:
-                embeds = tuple(await trio.to_thread.run_sync(self.adapter.encode_images, job.prompt.pixel_values))
-            finally:
-                self.in_flight.pop(handle.request_id, None)
-            self.log.info("encoder.encoded", request_id=handle.request_id, images=len(embeds))
-        if handle.active:
-            self.generator_inbox.send_nowait(GenerateJob(handle, job.prompt, embeds))
+                jobs.append(self.inbox.receive_nowait())
+            except trio.WouldBlock:
+                return
+
+    @staticmethod
+    def _images(jobs: list[EncodeJob]) -> int:
+        return sum(len(j.prompt.spans) for j in jobs)
+
+    async def _serve(self, jobs: list[EncodeJob]) -> None:
+        jobs = [j for j in jobs if j.handle.active]
+        for j in jobs:
+            self.in_flight[j.handle.request_id] = j.handle
+        try:
+            found: dict[tuple[int, int], torch.Tensor] = {}
+            misses = self._look_up(jobs, found)
+            if misses:
+                await self._encode(misses, found)
+            for j in jobs:
+                embeds = tuple(found[id(j), i] for i in range(len(j.prompt.spans)))
+                if j.handle.active:
+                    self.generator_inbox.send_nowait(GenerateJob(j.handle, j.prompt, embeds))
+        finally:
+            for j in jobs:
+                self._release(j.handle.request_id)
+
+    def _look_up(self, jobs: list[EncodeJob], found: dict) -> list[Miss]:
+        misses: dict[bytes | int, Miss] = {}
+        for j in jobs:
+            rid = j.handle.request_id
+            for i, key in enumerate(j.prompt.mm_keys or (None,) * len(j.prompt.spans)):
+                if key is not None and key in misses:  # the same new item twice in this batch
+                    misses[key].waiters.append((j, i))
+                    continue
+                cached = self.cache.get(key) if (self.cache is not None and key is not None) else None
+                if cached is not None:
+                    self.cache.pin(key, rid)
+                    found[id(j), i] = cached
+                    self.log.info("encoder_cache.hit", request_id=rid, key=key_prefix(key),
+                                  bytes=tensor_nbytes(cached))
+                    continue
+                if key is not None and self.cache is not None:
+                    self.log.info("encoder_cache.miss", request_id=rid, key=key_prefix(key))
+                slot = key if key is not None else len(misses) + (1 << 62)
+                misses[slot] = Miss(key, j.prompt.pixel_values[i], [(j, i)])
+        return list(misses.values())
+
+    async def _encode(self, misses: list[Miss], found: dict) -> None:
+        n = self.config.max_batch_images
+        for start in range(0, len(misses), n):
+            chunk = misses[start:start + n]
+            pixels = torch.stack([m.pixels for m in chunk])
+            outputs = await trio.to_thread.run_sync(self.adapter.encode_images, pixels)
+            self.encoder_runs += 1
+            self.items_encoded += len(chunk)
+            self.log.info("encoder.batch", items=len(chunk),
+                          request_ids=sorted({j.handle.request_id for m in chunk for j, _ in m.waiters}))
+            for miss, out in zip(chunk, outputs):
+                for j, i in miss.waiters:
+                    found[id(j), i] = out
+                self._store(miss, out)
+
+    def _store(self, miss: Miss, out: torch.Tensor) -> None:
+        if self.cache is None or miss.key is None:
+            return
+        rid = miss.waiters[0][0].handle.request_id
+        result = self.cache.put(miss.key, out, pin_owner=rid)
+        for key, nbytes in result.evicted:
+            self.log.info("encoder_cache.evict", request_id=rid, key=key_prefix(key), bytes=nbytes)
+        if result.stored:
+            self.log.info("encoder_cache.insert", request_id=rid, key=key_prefix(miss.key), bytes=tensor_nbytes(out))
+        else:
+            self.log.info("encoder_cache.not_stored", request_id=rid, key=key_prefix(miss.key),
+                          bytes=tensor_nbytes(out), reason=result.reason)
+
+    def _release(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
+        if self.cache is not None:
+            self.cache.release_owner(request_id)
+
+    def fail_in_flight(self, error: MMServeError) -> int:
+        owners = list(self.in_flight)
+        failed = super().fail_in_flight(error)
+        for rid in owners:
+            self._release(rid)
+        return failed
+
+    def stats(self) -> dict:
+        base = {"encoder_runs": self.encoder_runs, "items_encoded": self.items_encoded}
+        if self.cache is None:
+            return dict(base, enabled=False)
+        return dict(base, enabled=True, **self.cache.stats().__dict__)

@@ -7,12 +7,14 @@ Bad input is answered here, with a typed error, before any model work.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Awaitable, Callable
 
 import trio
 
 from mmserve.actors.base import Actor
 from mmserve.actors.messages import EncodeJob, RequestHandle, Submit
+from mmserve.cache.keys import image_identity
 from mmserve.errors import BadRequest, MMServeError, ModelNotFound, UnprocessableImage
 from mmserve.models.llava import LlavaAdapter, PromptInputs
 from mmserve.runtime.config import LimitsConfig
@@ -54,6 +56,8 @@ def _embedded_image(image, where: str):
 
 def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: LimitsConfig) -> PromptInputs:
     prompt = adapter.preprocess(hf_messages(request), images)
+    keys = tuple(image_identity(adapter.model_sig, adapter.processor_digest, img) for img in images)
+    prompt = dataclasses.replace(prompt, mm_keys=keys)
     if len(prompt.input_ids) > limits.max_prompt_tokens:
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens, above this server's limit of "
@@ -97,7 +101,7 @@ class Intake(Actor):
             prompt = await trio.to_thread.run_sync(prepare, adapter, request, images, self.limits, limiter=self.limiter)
             log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(images))
             if handle.active:
-                encoder_inbox.send_nowait(EncodeJob(handle, prompt, tuple(images)))
+                encoder_inbox.send_nowait(EncodeJob(handle, prompt))
         except (MMServeError, ModelNotFound) as e:
             log.info("intake.rejected", status=e.status, error=e.message)
             handle.fail(e)

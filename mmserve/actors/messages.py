@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import trio
@@ -105,7 +104,6 @@ class EncodeJob:
 
     handle: RequestHandle
     prompt: PromptInputs
-    images: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

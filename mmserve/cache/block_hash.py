@@ -58,7 +58,8 @@ class ExtraKey:
 def root_layout(model_sig: int, cache_salt: str | None) -> bytes:
     """u16 version | u64 model_sig | u8 has_salt | salt (u32 len + utf-8; empty when None)."""
     salt = "" if cache_salt is None else cache_salt
-    return u16(BLOCK_HASH_LAYOUT_VERSION) + u64(model_sig, "model_sig") + u8(int(cache_salt is not None)) + lp_str(salt)
+    has_salt = u8(int(cache_salt is not None))
+    return u16(BLOCK_HASH_LAYOUT_VERSION) + u64(model_sig, "model_sig") + has_salt + lp_str(salt)
 
 
 def root_hash(model_sig: int, cache_salt: str | None) -> bytes:

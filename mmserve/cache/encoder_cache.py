@@ -167,7 +167,8 @@ class EncoderCache:
         for key, tensor in self._entries.items():
             if need_bytes <= 0 and need_slots <= 0:
                 break
-            pass
+            if key in self._pins:
+                continue
             victims.append(key)
             need_bytes -= tensor_nbytes(tensor)
             need_slots -= 1

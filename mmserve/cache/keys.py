@@ -304,7 +304,8 @@ def image_header(
 
 
 def _mm_prefix(modality: int, model_sig: int, processor_digest: int) -> bytes:
-    return u16(MM_HASH_LAYOUT_VERSION) + u8(modality) + u64(model_sig, "model_sig") + u64(processor_digest, "processor_digest")
+    version = u16(MM_HASH_LAYOUT_VERSION)
+    return version + u8(modality) + u64(model_sig, "model_sig") + u64(processor_digest, "processor_digest")
 
 
 def mm_hash_image(
@@ -330,7 +331,8 @@ def audio_header(model_sig: int, processor_digest: int, samples: np.ndarray, sam
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
     if samples.ndim not in (1, 2):
         raise UncacheableInput(f"PCM samples must be [n] or [n, channels], got shape {samples.shape}")
-    return _mm_prefix(MODALITY_AUDIO, model_sig, processor_digest) + u32(sample_rate, "sample_rate") + _array_header(samples)
+    prefix = _mm_prefix(MODALITY_AUDIO, model_sig, processor_digest)
+    return prefix + u32(sample_rate, "sample_rate") + _array_header(samples)
 
 
 def mm_hash_audio(model_sig: int, processor_digest: int, samples: np.ndarray, sample_rate: int) -> bytes:

@@ -19,6 +19,8 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
 from transformers.utils import logging as hf_logging
 
+from mmserve.cache.keys import model_sig, processor_digest
+
 hf_logging.disable_progress_bar()
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,6 +41,7 @@ class PromptInputs:
     input_ids: tuple[int, ...]
     pixel_values: torch.Tensor | None
     spans: tuple[ImageSpan, ...]
+    mm_keys: tuple[bytes | None, ...] = ()  # content key per image; None = uncacheable
 
 
 @dataclass
@@ -68,6 +71,8 @@ class LlavaAdapter:
         self.image_token_id = int(self.config.image_token_id)
         self.eos_token_ids = frozenset(self._eos_ids())
         self.vocab_size = int(self.text_config.vocab_size)
+        self.model_sig = model_sig(name, self.path)
+        self.processor_digest = processor_digest(self.processor.image_processor.to_dict())
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id

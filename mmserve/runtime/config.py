@@ -61,6 +61,15 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class EncoderCacheConfig:
+    enabled: bool = True
+    budget_bytes: int = 256 * 1024 * 1024
+    max_entries: int = 0  # 0: no cap besides the byte budget
+    max_batch_images: int = 8
+    batch_wait_ms: float = 2.0
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     restart_backoff_s: float = 0.1
     max_restart_backoff_s: float = 5.0
@@ -78,6 +87,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    encoder_cache: EncoderCacheConfig = field(default_factory=EncoderCacheConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -106,6 +116,7 @@ _SECTIONS = {
     "server": ServerConfig,
     "runtime": RuntimeConfig,
     "limits": LimitsConfig,
+    "encoder_cache": EncoderCacheConfig,
     "supervisor": SupervisorConfig,
     "logging": LoggingConfig,
 }

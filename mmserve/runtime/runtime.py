@@ -182,7 +182,7 @@ class Runtime:
 
     def _build_actors(self, adapter):
         generator = Generator(adapter)
-        return Encoder(adapter, generator.inbox_send), generator
+        return Encoder(adapter, generator.inbox_send, self.config.encoder_cache), generator
 
     async def _route(self, model: str):
         loaded = await self.registry.get(model)
@@ -196,6 +196,10 @@ class Runtime:
     def models(self) -> list[dict[str, Any]]:
         return [{"name": m.name, "loaded": m.name in self.registry.loaded, "default": m.name == self.config.default_model}
                 for m in self.config.models]
+
+    def stats(self) -> dict[str, dict]:
+        """Per loaded model: its encoder's and encoder cache's counters."""
+        return {name: {"encoder": m.encoder.stats()} for name, m in self.registry.loaded.items()}
 
     def parse(self, body: dict) -> ChatRequest:
         """Validates an OpenAI-shaped request body (raises a typed 4xx error)."""

@@ -220,25 +220,42 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
 
 
 class BatchSampler:
-    """Draws training batches from an :class:`ImageBank`."""
+    """Draws training batches from an :class:`ImageBank`.
 
-    def __init__(self, tokenizer, num_image_tokens: int, bank: ImageBank, seed: int, mix: TaskMix | None = None):
+    Examples are generated ``pool`` batches at a time, sorted by length and cut into batches (in
+    shuffled order), so a batch is padded only to similar lengths: the compute goes to real tokens.
+    """
+
+    def __init__(self, tokenizer, num_image_tokens: int, bank: ImageBank, seed: int,
+                 mix: TaskMix | None = None, pool: int = 16):
         self.enc = Encoder(tokenizer, num_image_tokens)
         self.bank = bank
         self.mix = mix or TaskMix()
+        self.pool = pool
         self.rng = np.random.default_rng([seed, 0xDA7A])
         self.normalized = torch.from_numpy(normalize(bank.pixels))  # [N, 3, H, W]
+        self._queue: list[dict[str, torch.Tensor]] = []
 
-    def batch(self, batch_size: int, n_images: int | None = None) -> dict[str, torch.Tensor]:
+    def _example(self, n_images: int):
         rng = self.rng
-        if n_images is None:
-            n_images = 2 if rng.random() < self.mix.p_pair else 1
-        idx = rng.integers(len(self.bank), size=(batch_size, n_images))
-        examples = []
-        for row in idx:
-            specs = [self.bank.specs[int(j)] for j in row]
-            key = sample_dialogue(rng, n_images, self.mix)
-            examples.append(self.enc.encode(key, specs))
-        out = collate(examples, self.enc.pad_id)
-        out["pixel_values"] = self.normalized[torch.from_numpy(idx.reshape(-1))]
+        idx = rng.integers(len(self.bank), size=n_images)
+        specs = [self.bank.specs[int(j)] for j in idx]
+        key = sample_dialogue(rng, n_images, self.mix)
+        ids, labels = self.enc.encode(key, specs)
+        return ids, labels, idx
+
+    def _make(self, examples) -> dict[str, torch.Tensor]:
+        out = collate([(ids, lab) for ids, lab, _ in examples], self.enc.pad_id)
+        idx = np.concatenate([im for _, _, im in examples])
+        out["pixel_values"] = self.normalized[torch.from_numpy(idx)]
         return out
+
+    def batch(self, batch_size: int) -> dict[str, torch.Tensor]:
+        if not self._queue:
+            rng = self.rng
+            n = batch_size * self.pool
+            examples = [self._example(2 if rng.random() < self.mix.p_pair else 1) for _ in range(n)]
+            order = np.argsort([len(e[0]) for e in examples], kind="stable")
+            chunks = [[examples[int(i)] for i in order[k : k + batch_size]] for k in range(0, n, batch_size)]
+            self._queue = [self._make(chunks[int(i)]) for i in rng.permutation(len(chunks))]
+        return self._queue.pop()
