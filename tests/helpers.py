@@ -38,6 +38,7 @@ class ServerThread:
     def __init__(self, config: Config):
         self.config = config.replace(server={"host": "127.0.0.1", "port": 0})
         self.url: str | None = None
+        self.runtime = None
         self._token = None
         self._shutdown: trio.Event | None = None
         self._ready = threading.Event()
@@ -57,9 +58,12 @@ class ServerThread:
         self._shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(lambda task_status: serve(
-                self.config, shutdown=self._shutdown, task_status=task_status))
+                self.config, shutdown=self._shutdown, on_runtime=self._set_runtime, task_status=task_status))
             self.url = binds[0]
             self._ready.set()
+
+    def _set_runtime(self, rt) -> None:
+        self.runtime = rt
 
     def __enter__(self) -> "ServerThread":
         self._thread.start()

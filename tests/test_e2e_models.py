@@ -27,16 +27,6 @@ def test_same_image_to_two_models_never_shares_an_encoder_output(server):
     assert [(ev, model) for ev, model, _ in events] == [
         ("encoder_cache.miss", "demo"), ("encoder_cache.miss", "demo-wide"), ("encoder_cache.hit", "demo")]
     assert events[0][2] != events[1][2] and events[2][2] == events[0][2]
-    stats = server.run_sync(lambda: _stats(server))
+    stats = server.run_sync(server.runtime.stats)
     assert stats["demo"]["encoder"]["hits"] == 1 and stats["demo-wide"]["encoder"]["hits"] == 0
     assert stats["demo"]["encoder"]["encoder_runs"] == 1 and stats["demo-wide"]["encoder"]["encoder_runs"] == 1
-
-
-def _stats(server):
-    import gc
-
-    from mmserve.runtime.runtime import Runtime
-
-    rts = [o for o in gc.get_objects() if isinstance(o, Runtime) and o.config.server.port == 0
-           and set(o.registry.loaded) == {"demo", "demo-wide"}]
-    return rts[-1].stats()

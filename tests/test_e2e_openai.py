@@ -75,16 +75,8 @@ def test_closing_a_stream_after_two_chunks_leaves_server_serving(client, demo_se
         time.sleep(0.3)
     assert probe.samples and all(status == 200 for status, _ in probe.samples)
     assert max(lat for _, lat in probe.samples) < 0.1, sorted(lat for _, lat in probe.samples)[-5:]
-    gen = demo_server.run_sync(lambda: _running(demo_server))
-    assert gen == 0
-
-
-def _running(server):
-    import gc
-
-    from mmserve.actors.generator import Generator
-
-    return sum(len(g.running) for g in gc.get_objects() if isinstance(g, Generator))
+    running = demo_server.run_sync(lambda: len(demo_server.runtime.registry.require("demo").generator.running))
+    assert running == 0
 
 
 def test_sampling_parameters(client):

@@ -117,7 +117,6 @@ def test_unknown_route_and_method_use_the_error_shape(client):
 
 
 def test_not_ready_is_503_for_chat_and_health(server, client):
-    sup = server.run_sync(lambda: None) or None  # noqa: F841 (ensures the loop is alive)
     server.run_sync(_set_ready, server, False)
     try:
         assert client.get("/health").status_code == 503
@@ -130,13 +129,7 @@ def test_not_ready_is_503_for_chat_and_health(server, client):
 
 
 def _set_ready(server, value):
-    import gc
-
-    from mmserve.runtime.runtime import Runtime
-
-    for obj in gc.get_objects():
-        if isinstance(obj, Runtime) and obj.config.server.max_body_bytes == MAX_BODY:
-            obj.supervisor.ready = value
+    server.runtime.supervisor.ready = value
 
 
 def test_models_and_request_id(client):

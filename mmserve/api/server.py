@@ -12,15 +12,18 @@ from mmserve.runtime.config import Config
 from mmserve.runtime.runtime import Runtime
 
 
-async def serve(config: Config, *, shutdown: trio.Event | None = None,
+async def serve(config: Config, *, shutdown: trio.Event | None = None, on_runtime=None,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Opens a Runtime and serves it over HTTP until `shutdown` is set (or cancelled).
 
     `task_status.started` receives the bound URLs (e.g. `http://127.0.0.1:54321`), so a
-    caller binding port 0 learns the real port.
+    caller binding port 0 learns the real port. `on_runtime(rt)` is called with the running
+    Runtime before the socket opens (for embedding programs and tests that inspect it).
     """
     log = get_logger("http")
     async with Runtime.open(config) as rt:
+        if on_runtime is not None:
+            on_runtime(rt)
         hc = HypercornConfig()
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None
