@@ -68,3 +68,8 @@ def test_top_k_and_top_p_restrict_choices():
     pp = SamplingParams(temperature=1.0, top_p=0.5, seed=1)
     g = make_generator(pp)
     assert {sample(logits, pp, g) for _ in range(200)} == {0}
+
+
+def test_template_lead_is_removed_once():
+    a = TextAssembler(lambda ids: " red and blue"[: 4 * len(ids)], lead=" ")
+    assert a.add(1) + a.add(2) + a.add(3) + a.add(4) + a.finish() == "red and blue"

@@ -71,6 +71,7 @@ class LlavaAdapter:
         self.image_token_id = int(self.config.image_token_id)
         self.eos_token_ids = frozenset(self._eos_ids())
         self.vocab_size = int(self.text_config.vocab_size)
+        self.answer_lead = self._answer_lead()
         self.model_sig = model_sig(name, self.path)
         self.processor_digest = processor_digest(self.processor.image_processor.to_dict())
 
@@ -79,6 +80,24 @@ class LlavaAdapter:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+    def _answer_lead(self) -> str:
+        """Whitespace the chat template puts between the generation prompt and an assistant
+        message's content (e.g. "assistant:" + " " + content). The model generates it as part of
+        its answer; it is removed from responses so that a client sending the answer back in the
+        history reproduces the very tokens that were generated."""
+        user = [{"role": "user", "content": "q"}]
+        try:
+            prompt = self.processor.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+            full = self.processor.apply_chat_template(
+                user + [{"role": "assistant", "content": "ANSWER"}], tokenize=False)
+        except Exception:  # a template that cannot render the probe: strip nothing
+            return ""
+        if not full.startswith(prompt):
+            return ""
+        rest = full[len(prompt):]
+        lead = rest[: len(rest) - len(rest.lstrip())]
+        return lead if rest[len(lead):].startswith("ANSWER") else ""
 
     # -- preprocessing ---------------------------------------------------------------------
 

@@ -70,6 +70,13 @@ class EncoderCacheConfig:
 
 
 @dataclass(frozen=True)
+class PrefixCacheConfig:
+    enabled: bool = True
+    block_size: int = 16
+    budget_bytes: int = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     restart_backoff_s: float = 0.1
     max_restart_backoff_s: float = 5.0
@@ -88,6 +95,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     encoder_cache: EncoderCacheConfig = field(default_factory=EncoderCacheConfig)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -117,6 +125,7 @@ _SECTIONS = {
     "runtime": RuntimeConfig,
     "limits": LimitsConfig,
     "encoder_cache": EncoderCacheConfig,
+    "prefix_cache": PrefixCacheConfig,
     "supervisor": SupervisorConfig,
     "logging": LoggingConfig,
 }

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import trio
 
+from mmserve.actors.base import Actor
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
+from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.errors import ModelNotFound, ServiceUnavailable
 from mmserve.logs import get_logger
 from mmserve.models.llava import LlavaAdapter
@@ -21,8 +23,7 @@ from mmserve.runtime.supervisor import Supervisor
 class LoadedModel:
     config: ModelConfig
     adapter: LlavaAdapter
-    encoder: Encoder
-    generator: Generator
+    actors: dict[str, Actor]  # "encoder", "generator" and, when enabled, "prefix_cache"
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -30,14 +31,24 @@ class LoadedModel:
         return self.config.name
 
     @property
-    def actor_keys(self) -> tuple[str, str]:
-        return f"encoder[{self.name}]", f"generator[{self.name}]"
+    def encoder(self) -> Encoder:
+        return self.actors["encoder"]
+
+    @property
+    def generator(self) -> Generator:
+        return self.actors["generator"]
+
+    @property
+    def prefix_cache(self) -> PrefixCacheManager | None:
+        return self.actors.get("prefix_cache")
+
+    def actor_key(self, role: str) -> str:
+        return f"{role}[{self.name}]"
 
     @property
     def idle(self) -> bool:
-        return not (self.encoder.in_flight or self.generator.in_flight or self.generator.running
-                    or self.encoder.inbox.statistics().current_buffer_used
-                    or self.generator.inbox.statistics().current_buffer_used)
+        return not (self.generator.running or any(
+            a.in_flight or a.inbox.statistics().current_buffer_used for a in self.actors.values()))
 
 
 class ModelRegistry:
@@ -87,10 +98,9 @@ class ModelRegistry:
             t0 = time.monotonic()
             adapter = await trio.to_thread.run_sync(
                 lambda: LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype))
-            encoder, generator = self.build_actors(adapter)
-            model = LoadedModel(mc, adapter, encoder, generator)
-            for key, actor in zip(model.actor_keys, (encoder, generator)):
-                self.supervisor.start(actor, key)
+            model = LoadedModel(mc, adapter, self.build_actors(adapter))
+            for role, actor in model.actors.items():
+                self.supervisor.start(actor, model.actor_key(role))
             self.loaded[mc.name] = model
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
                           load_s=round(time.monotonic() - t0, 3))
@@ -111,6 +121,6 @@ class ModelRegistry:
 
     def unload(self, name: str) -> None:
         model = self.loaded.pop(name)
-        for key in model.actor_keys:
-            self.supervisor.stop(key)
+        for role in model.actors:
+            self.supervisor.stop(model.actor_key(role))
         self.log.info("registry.model_unloaded", model=name)

@@ -23,6 +23,7 @@ import trio
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
+from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
 from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.logs import get_logger
@@ -180,9 +181,15 @@ class Runtime:
         self.supervisor.ready = True
         self.log.info("runtime.started", models=self.registry.names(), loaded=sorted(self.registry.loaded))
 
-    def _build_actors(self, adapter):
-        generator = Generator(adapter)
-        return Encoder(adapter, generator.inbox_send, self.config.encoder_cache), generator
+    def _build_actors(self, adapter) -> dict:
+        pc = self.config.prefix_cache
+        actors = {}
+        if pc.enabled:
+            actors["prefix_cache"] = PrefixCacheManager(adapter, pc)
+        generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc.block_size)
+        actors["encoder"] = Encoder(adapter, generator.inbox_send, self.config.encoder_cache)
+        actors["generator"] = generator
+        return actors
 
     async def _route(self, model: str):
         loaded = await self.registry.get(model)
@@ -199,7 +206,9 @@ class Runtime:
 
     def stats(self) -> dict[str, dict]:
         """Per loaded model: its encoder's and encoder cache's counters."""
-        return {name: {"encoder": m.encoder.stats()} for name, m in self.registry.loaded.items()}
+        return {name: {"encoder": m.encoder.stats(),
+                       "prefix_cache": m.prefix_cache.stats() if m.prefix_cache else {"enabled": False}}
+                for name, m in self.registry.loaded.items()}
 
     def parse(self, body: dict) -> ChatRequest:
         """Validates an OpenAI-shaped request body (raises a typed 4xx error)."""

@@ -12,8 +12,9 @@ from typing import Callable, Sequence
 class TextAssembler:
     """Turns a growing list of token ids into text deltas, honouring stop strings."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), lead: str = ""):
         self._decode = decode
+        self._lead = lead
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []
         self._emitted = 0
@@ -24,6 +25,8 @@ class TextAssembler:
         """Adds one token; returns the text that is now safe to show (maybe empty)."""
         self._ids.append(token_id)
         text = self._decode(self._ids)
+        if self._lead and text.startswith(self._lead):
+            text = text[len(self._lead):]
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.text = text
