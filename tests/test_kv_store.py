@@ -18,6 +18,7 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
+    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -457,8 +458,9 @@ class KVStoreMachine(RuleBasedStateMachine):
     store_cls = KVBlockStore
     internal_checks = True  # also call check_invariants(); mutants are judged without it
 
-    @initialize(num_slots=st.integers(1, 6))
-    def init(self, num_slots):
+    @initialize(num_slots=st.integers(1, 6), allow_gaps=st.booleans())
+    def init(self, num_slots, allow_gaps):
+        self.allow_gaps = allow_gaps  # may commit chains with a block left out (orphans)
         self.store = self.store_cls(num_slots)
         self.ref = RefStore(num_slots)
         self.pool: dict[int, bytes] = {}  # slot → hash whose KV the "actor" wrote there
@@ -494,6 +496,18 @@ class KVStoreMachine(RuleBasedStateMachine):
         assert placed == self.ref.commit(hashes, owner)
         for i, slot, _ in placed:
             self.pool[slot] = hashes[i]  # the actor writes block i's KV into the slot
+
+    @precondition(lambda self: self.allow_gaps)
+    @rule(owner=st.sampled_from(OWNERS), spec=CHAINS, gap=st.integers(0, 5))
+    def commit_with_gap(self, owner, spec, gap):
+        """A sequence that is not a valid chain (block `gap` left out): it leaves blocks cached
+        whose parent is not, so lookups must stop at the first miss, not skip it."""
+        hashes = self._chain(spec)
+        del hashes[gap:gap + 1]
+        placed = self.store.commit(hashes, owner)
+        assert placed == self.ref.commit(hashes, owner)
+        for i, slot, _ in placed:
+            self.pool[slot] = hashes[i]
 
     @rule(owner=st.sampled_from(OWNERS), spec=CHAINS)
     def request(self, owner, spec):
@@ -534,10 +548,11 @@ class KVStoreMachine(RuleBasedStateMachine):
                 assert store.hash_of(slot) == h
                 assert self.pool.get(slot) == h, f"entry {h!r} → slot {slot} holding {self.pool.get(slot)!r}"
         assert len(store) == len(ref.entry) == len(described)
-        # With chained hashes the cache stays prefix-closed: a cached block's parent is cached.
-        for h in described.values():
-            parent = self.universe[h]
-            assert parent is None or store.slot_of(parent) is not None, "orphaned block cached"
+        # With valid chains the cache stays prefix-closed: a cached block's parent is cached.
+        if not self.allow_gaps:
+            for h in described.values():
+                parent = self.universe[h]
+                assert parent is None or store.slot_of(parent) is not None, "orphaned block cached"
         n = ref.n
         assert [store.hash_of(i) for i in range(n)] == [ref.slots().get(i) for i in range(n)]
         assert [store.pins(i) for i in range(n)] == [ref.refcount(i) for i in range(n)]
@@ -573,7 +588,7 @@ class KVStoreMachine(RuleBasedStateMachine):
             self.store.check_invariants()
 
 
-KVStoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+KVStoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVStoreAgainstReference = KVStoreMachine.TestCase
 
 
@@ -719,5 +734,5 @@ def test_state_machine_catches_mutant(mutant):
                    {"store_cls": mutant, "internal_checks": False})
     with pytest.raises(Exception):
         run_state_machine_as_test(machine, settings=settings(
-            max_examples=300, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+            max_examples=150, stateful_step_count=40, deadline=None, derandomize=True, database=None,
             phases=[Phase.generate], report_multiple_bugs=False, print_blob=False))

@@ -83,5 +83,8 @@ class SyncRuntime:
         finally:
             trio.from_thread.run_sync(stream.close, trio_token=self._token)
 
+    def stats(self) -> dict:
+        return trio.from_thread.run_sync(self._rt.stats, trio_token=self._token)
+
     def health(self):
         return trio.from_thread.run_sync(self._rt.health, trio_token=self._token)

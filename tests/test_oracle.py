@@ -1,0 +1,88 @@
+"""The oracle: greedy output with the caches on equals greedy output with them off, token for
+token, over hypothesis-generated multi-turn, multi-image, two-model workloads with random
+disconnects and a tiny cache budget that forces slot reuse and eviction."""
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mmserve import SyncRuntime
+from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image
+from tests.helpers import image_part
+
+IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i) for i in range(5)]
+SYSTEMS = [None, "Answer briefly.", "You are a helpful assistant."]
+SINGLE = [Q_COLOR, Q_BACKGROUND, Q_SHAPE]
+
+
+@dataclass(frozen=True)
+class Turn:
+    images: tuple[int, ...]  # indices into IMAGES; only the first turn of a conversation has images
+    question: str
+    disconnect_after: int | None  # abandon the request after this many deltas (None: read it all)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    model: str
+    system: str | None
+    turns: tuple[Turn, ...]
+
+
+@st.composite
+def conversations(draw):
+    n_images = draw(st.integers(1, 2))
+    images = tuple(draw(st.lists(st.integers(0, len(IMAGES) - 1), min_size=n_images, max_size=n_images)))
+    questions = [Q_FIRST, Q_SECOND] if n_images == 2 else SINGLE
+    turns = []
+    for t in range(draw(st.integers(1, 3))):
+        turns.append(Turn(images if t == 0 else (), draw(st.sampled_from(questions)),
+                          draw(st.one_of(st.none(), st.none(), st.integers(0, 1)))))
+    return Conversation(draw(st.sampled_from(["demo", "demo-wide"])), draw(st.sampled_from(SYSTEMS)), tuple(turns))
+
+
+def user_message(turn: Turn) -> dict:
+    return {"role": "user", "content": [image_part(IMAGES[i]) for i in turn.images] + [{"type": "text", "text": turn.question}]}
+
+
+def run_turn(rt, model, messages, disconnect_after):
+    if disconnect_after is None:
+        c = rt.chat_completion(messages, model=model, temperature=0, max_tokens=6)
+        return c.text
+    for i, _ in enumerate(rt.chat(messages, model=model, temperature=0, max_tokens=6, min_tokens=6)):
+        if i >= disconnect_after:
+            break
+    return None
+
+
+@pytest.fixture(scope="module")
+def runtimes(demo_config):
+    cached = demo_config.replace(prefix_cache={"block_size": 8, "budget_bytes": 1}, encoder_cache={"max_entries": 3})
+    with SyncRuntime(demo_config.replace(prefix_cache={"enabled": False}, encoder_cache={"enabled": False})) as off:
+        with SyncRuntime(cached) as probe:
+            block_bytes = probe.stats()["demo"]["prefix_cache"]["block_bytes"]
+        with SyncRuntime(cached.replace(prefix_cache={"block_size": 8, "budget_bytes": 6 * block_bytes})) as on:
+            yield on, off
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(conversations(), min_size=2, max_size=5))
+def test_cache_on_equals_cache_off(runtimes, workload):
+    on, off = runtimes
+    histories = [[{"role": "system", "content": c.system}] if c.system else [] for c in workload]
+    # interleave the conversations turn by turn, so later turns find each other's blocks evicted
+    for t in range(max(len(c.turns) for c in workload)):
+        for c, history in zip(workload, histories):
+            if t >= len(c.turns):
+                continue
+            turn = c.turns[t]
+            history.append(user_message(turn))
+            expected = run_turn(off, c.model, history, None)
+            got = run_turn(on, c.model, history, turn.disconnect_after)
+            if got is not None:
+                assert got == expected, (c.model, history)
+            history.append({"role": "assistant", "content": expected})
+    stats = on.stats()
+    assert any(s["prefix_cache"]["hit_blocks"] for s in stats.values())
