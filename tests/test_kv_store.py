@@ -451,7 +451,8 @@ OWNERS = ["r0", "r1", "r2", ("req", 3)]
 ROOTS = ["root-a", "root-b"]
 # Chains from a 2-letter alphabet under 2 roots: prefixes overlap often, and with at most 6 slots
 # and chains of up to 6 blocks, commits keep reusing slots.
-CHAINS = st.tuples(st.sampled_from(ROOTS), st.text(alphabet="xy", max_size=6))
+# The third item, when >= 0, picks a recently used chain instead (see `_chain`).
+CHAINS = st.tuples(st.sampled_from(ROOTS), st.text(alphabet="xy", max_size=6), st.integers(-3, 3))
 
 
 class KVStoreMachine(RuleBasedStateMachine):
@@ -465,9 +466,14 @@ class KVStoreMachine(RuleBasedStateMachine):
         self.ref = RefStore(num_slots)
         self.pool: dict[int, bytes] = {}  # slot → hash whose KV the "actor" wrote there
         self.universe: dict[bytes, bytes | None] = {}  # every hash seen → its parent in its chain
+        self.seen: list[tuple[str, str]] = []  # (root, symbols) of every chain used so far
 
     def _chain(self, spec) -> list[bytes]:
-        root, symbols = spec
+        root, symbols, reuse = spec
+        if reuse >= 0 and self.seen:  # a recent chain again, maybe a little longer
+            root, base = self.seen[-1 - reuse % len(self.seen)]
+            symbols = base + symbols[:len(symbols) % 3]
+        self.seen.append((root, symbols))
         hashes = chain(symbols, root)
         for i, h in enumerate(hashes):
             self.universe[h] = hashes[i - 1] if i else None
@@ -642,9 +648,12 @@ class CommitEvictsPinned(KVBlockStore):
     """The victim is the least recently used occupied slot, pinned or not."""
 
     def _take_slot(self):
-        if self._free or not self._hash_of:
+        if self._free:
             return super()._take_slot()
-        slot = min(self._hash_of, key=self._last_use.__getitem__)
+        used_before = [s for s in self._hash_of if s in self._last_use]  # not placed by this commit
+        if not used_before:
+            return None
+        slot = min(used_before, key=self._last_use.__getitem__)
         self._lru.pop(slot, None)
         return slot, self._drop_entry(slot)
 

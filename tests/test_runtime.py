@@ -33,7 +33,9 @@ async def test_stream_and_completion_agree(rt):
     assert deltas[-1].finish_reason in ("stop", "length") and deltas[-1].usage.prompt_tokens > 16
     completion = await rt.chat_completion(msgs, max_tokens=8, temperature=0)
     assert completion.text == "".join(d.text for d in deltas)
-    assert completion.usage == deltas[-1].usage
+    usage = deltas[-1].usage
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    assert usage.cached_tokens == 0 and completion.usage.cached_tokens > 0  # the second run hits the prefix cache
 
 
 async def test_seed_reproduces_sampled_output(rt):

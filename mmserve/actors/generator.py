@@ -1,8 +1,10 @@
-"""Generator actor: owns the model forward for one model.
+"""Generator actor: owns the model forward for one model, with continuous batching.
 
-It admits new sequences between steps and advances every running sequence by one step at a time
-(prefill, then one decode step per turn), so a long generation never starves a new request and a
-caller that went away is dropped at its next step. Each step runs in a worker thread.
+Between steps it admits new sequences. Each loop turn runs at most `prefill_chunk_tokens` of
+prompt prefill (chunked, so a long prompt never stalls the others for more than one chunk) and
+then one batched decode forward over every prefilled sequence, whatever their lengths. A sequence
+that finishes or whose caller went away leaves the batch at once. Model steps run in worker
+threads; the prefix cache is consulted before prefill and given the finished sequence's blocks.
 """
 
 from __future__ import annotations
@@ -15,28 +17,30 @@ import trio
 from transformers import DynamicCache
 
 from mmserve.actors.base import Actor
+from mmserve.actors.decode_batch import KV, DecodeBatch
 from mmserve.actors.messages import FinishEvent, GenerateJob, RequestHandle, TokenEvent, Usage
 from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, sequence_block_hashes
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
+from mmserve.runtime.config import GeneratorConfig
 from mmserve.runtime.sampling import make_generator, sample
 from mmserve.runtime.stops import TextAssembler
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request being generated: its prompt, KV cache, tokens so far and text state."""
+    """One request being generated: prompt, KV state, tokens so far and text state."""
 
     job: GenerateJob
     assembler: TextAssembler
     rng: torch.Generator | None
-    cache: object = None
+    kv: KV | None = None          # own KV while outside the decode batch
+    kv_len: int = 0               # tokens whose KV exists
     hit_tokens: int = 0
-    prefilled: bool = False
+    embeds: torch.Tensor | None = None  # prompt embeddings after the cached prefix, until prefilled
     looked_up: bool = False
     committed: bool = False
     tokens: list[int] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
     @property
@@ -51,30 +55,51 @@ class Sequence:
     def params(self):
         return self.handle.request.sampling
 
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def prefilled(self) -> bool:
+        return self.kv_len >= self.prompt_len
+
 
 class Generator(Actor):
     name = "generator"
 
     def __init__(self, adapter: LlavaAdapter, prefix_cache: trio.MemorySendChannel | None = None,
-                 block_size: int = 16):
+                 block_size: int = 16, config: GeneratorConfig = GeneratorConfig()):
         super().__init__(model=adapter.name)
         self.adapter = adapter
         self.prefix_cache = prefix_cache
         self.block_size = block_size
-        self.running: list[Sequence] = []
+        self.config = config
+        self.waiting: list[Sequence] = []   # admitted, prompt not yet fully prefilled
+        self.batch = DecodeBatch(adapter)
         self.max_positions = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 1 << 30)
         self._image_token = torch.tensor([adapter.image_token_id])
         self._eos = torch.tensor(sorted(adapter.eos_token_ids), dtype=torch.long)
+        self.steps = 0
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.waiting + list(self.batch.members)
 
     async def run(self) -> None:
-        self.running.clear()
+        self.waiting.clear()
+        self.batch = DecodeBatch(self.adapter)
         while True:
             if not self.running:
                 self._admit(await self.inbox.receive())
             self._admit_waiting()
-            for seq in list(self.running):
-                await self._step(seq)
+            self._drop_aborted()
+            if self.waiting:
+                await self._prefill_round()
+            if self.batch.members:
+                await self._decode_round()
             self.progressed()
+
+    # -- admission and departure -------------------------------------------------------------
 
     def _admit_waiting(self) -> None:
         while True:
@@ -89,101 +114,122 @@ class Generator(Actor):
         if not handle.active:
             return
         params = handle.request.sampling
-        seq = Sequence(job, TextAssembler(self.adapter.decode_text, params.stop, self.adapter.answer_lead), make_generator(params))
-        self.running.append(seq)
+        assembler = TextAssembler(self.adapter.decode_text, params.stop, self.adapter.answer_lead)
+        self.waiting.append(Sequence(job, assembler, make_generator(params)))
         self.in_flight[handle.request_id] = handle
 
-    def _drop(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+    def _drop_aborted(self) -> None:
+        for seq in [s for s in self.running if not s.handle.active]:
+            self.log.info("generator.aborted", request_id=seq.handle.request_id, tokens=len(seq.tokens),
+                          prefilled=seq.prefilled)
+            self._leave(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Removes `seq` from the generator; an uncommitted prefix-cache ticket is aborted."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.batch.members:
+            self.batch.set_members([m for m in self.batch.members if m is not seq])
         self.in_flight.pop(seq.handle.request_id, None)
         if seq.looked_up and not seq.committed:
             self.prefix_cache.send_nowait(Abort(seq.handle.request_id))
-        seq.cache = None
+        seq.kv = seq.embeds = None
 
     def fail_in_flight(self, error: MMServeError) -> int:
-        for seq in list(self.running):
-            self._drop(seq)
+        for seq in self.running:
+            if seq.looked_up and not seq.committed:
+                self.prefix_cache.send_nowait(Abort(seq.handle.request_id))
+        self.waiting.clear()
+        self.batch = DecodeBatch(self.adapter)
         return super().fail_in_flight(error)
 
-    def _hashes(self, seq: Sequence, token_ids) -> list[bytes]:
-        prompt = seq.job.prompt
-        return sequence_block_hashes(self.adapter.model_sig, seq.handle.request.cache_salt, token_ids,
-                                     prompt.spans, prompt.mm_keys, self.block_size)
+    # -- prefill -------------------------------------------------------------------------------
 
-    async def _lookup(self, seq: Sequence) -> LookupResult:
-        """The cached prefix of the prompt, capped so at least one prompt token is prefilled."""
+    async def _prefill_round(self) -> None:
+        """Up to `prefill_chunk_tokens` of prompt prefill, oldest waiting sequence first."""
+        budget = self.config.prefill_chunk_tokens
+        for seq in list(self.waiting):
+            if budget <= 0:
+                break
+            if not seq.looked_up and self.prefix_cache is not None:
+                await self._lookup(seq)
+                if not seq.handle.active:
+                    continue
+            chunk = min(budget, seq.prompt_len - seq.kv_len)
+            logits = await trio.to_thread.run_sync(self._prefill_chunk, seq, chunk)
+            budget -= chunk
+            if seq.prefilled:
+                self.waiting.remove(seq)
+                token = self._sample(seq, logits)
+                if self._accept(seq, token):
+                    self.batch.set_members([*self.batch.members, seq])
+
+    async def _lookup(self, seq: Sequence) -> None:
+        """Restores the cached prefix of the prompt, capped so at least one prompt token is prefilled."""
         ids = seq.job.prompt.input_ids
         hashes = self._hashes(seq, ids)[: (len(ids) - 1) // self.block_size]
-        if not hashes:
-            return LookupResult(0)
-        send, receive = trio.open_memory_channel(1)
         seq.looked_up = True
+        if not hashes:
+            return
+        send, receive = trio.open_memory_channel(1)
         self.prefix_cache.send_nowait(Lookup(seq.handle.request_id, tuple(hashes), send))
         try:
-            return await receive.receive()
+            hit: LookupResult = await receive.receive()
         except trio.EndOfChannel:
-            return LookupResult(0)
-
-    def _commit(self, seq: Sequence) -> None:
-        if self.prefix_cache is None or seq.cache is None:
             return
-        kv_len = seq.cache.get_seq_length()
-        ids = (list(seq.job.prompt.input_ids) + seq.tokens)[:kv_len]
-        hashes = self._hashes(seq, ids)
-        if hashes:
-            kv = tuple((layer.keys, layer.values) for layer in seq.cache.layers)
-            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, tuple(hashes), kv))
-            seq.committed = True
+        if hit.blocks:
+            seq.kv, seq.kv_len = hit.kv, hit.blocks * self.block_size
+            seq.hit_tokens = seq.kv_len
 
-    async def _step(self, seq: Sequence) -> None:
-        if not seq.handle.active:
-            self.log.info("generator.aborted", request_id=seq.handle.request_id, tokens=len(seq.tokens))
-            self._drop(seq)
-            return
-        if seq.cache is None and self.prefix_cache is not None and not seq.looked_up:
-            hit = await self._lookup(seq)
-            seq.hit_tokens = hit.blocks * self.block_size
-            seq.cache = self._restore(hit)
-            if not seq.handle.active:
-                return
-        token = await trio.to_thread.run_sync(self._compute, seq)
-        self._accept(seq, token)
+    def _prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor:
+        """Prefills the next `n` prompt tokens (worker thread); returns the last position's logits."""
+        if seq.embeds is None:
+            seq.embeds = self._suffix_embeds(seq)
+        offset = seq.kv_len - seq.hit_tokens
+        cache = DynamicCache(ddp_cache_data=list(seq.kv), config=self.adapter.text_config) if seq.kv else None
+        out = self.adapter.prefill(seq.embeds[:, offset:offset + n], cache, start=seq.kv_len)
+        seq.kv = tuple((layer.keys, layer.values) for layer in out.cache.layers)
+        seq.kv_len += n
+        if seq.prefilled:
+            seq.embeds = None
+        return out.logits[0]
 
-    def _restore(self, hit: LookupResult):
-        if not hit.blocks:
-            return None
-        return DynamicCache(ddp_cache_data=list(hit.kv), config=self.adapter.text_config)
-
-    def _banned(self, seq: Sequence) -> torch.Tensor:
-        if len(seq.tokens) < seq.params.min_tokens:
-            return torch.cat([self._image_token, self._eos])
-        return self._image_token
-
-    def _compute(self, seq: Sequence) -> int:
-        """One model step for `seq` (worker thread): prefill the prompt or decode one token."""
-        a = self.adapter
-        if not seq.prefilled:
-            out = self._prefill(seq)
-            seq.prefilled = True
-        else:
-            pos = seq.prompt_len + len(seq.tokens) - 1
-            out = a.decode([seq.tokens[-1]], seq.cache, [pos])
-        seq.cache = out.cache
-        return sample(out.logits[0], seq.params, seq.rng, self._banned(seq))
-
-    def _prefill(self, seq: Sequence):
-        """Prefills the prompt after the cached prefix; an image cut by the hit boundary gets exactly
-        the rows of its encoder output that lie after it."""
+    def _suffix_embeds(self, seq: Sequence) -> torch.Tensor:
+        """Embeddings of the prompt after the cached prefix; an image cut by the hit boundary gets
+        exactly the rows of its encoder output that lie after it."""
         prompt, hit = seq.job.prompt, seq.hit_tokens
         pieces = []
         for span, emb in zip(prompt.spans, seq.job.image_embeds):
             if span.start + span.length > hit:
                 skip = max(0, hit - span.start)
                 pieces.append((span.start + skip - hit, emb[skip:]))
-        embeds = self.adapter.embed(prompt.input_ids[hit:], pieces)
-        return self.adapter.prefill(embeds, seq.cache, start=hit)
+        return self.adapter.embed(prompt.input_ids[hit:], pieces)
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    # -- decode ----------------------------------------------------------------------------------
+
+    async def _decode_round(self) -> None:
+        members = list(self.batch.members)
+        tokens = await trio.to_thread.run_sync(self._decode_step, members)
+        self.steps += 1
+        self.log.debug("generator.step", batch=len(members), request_ids=[m.handle.request_id for m in members])
+        finished = [seq for seq, token in zip(members, tokens) if not self._accept(seq, token)]
+        if finished:
+            self.batch.set_members([m for m in self.batch.members if m not in finished])
+
+    def _decode_step(self, members: list[Sequence]) -> list[int]:
+        logits = self.batch.step()
+        return [self._sample(seq, logits[b]) for b, seq in enumerate(members)]
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        banned = self._image_token
+        if len(seq.tokens) < seq.params.min_tokens:
+            banned = torch.cat([self._image_token, self._eos])
+        return sample(logits, seq.params, seq.rng, banned)
+
+    # -- tokens out ------------------------------------------------------------------------------
+
+    def _accept(self, seq: Sequence, token: int) -> bool:
+        """Takes a sampled token; False when the sequence has finished (it is then finalised)."""
         handle = seq.handle
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
@@ -192,25 +238,50 @@ class Generator(Actor):
         seq.tokens.append(token)
         text = seq.assembler.add(token)
         if text and not handle.emit(TokenEvent(text, token)):
-            return self._drop(seq)
+            return self._finish(seq, None)
         if seq.assembler.stopped:
             return self._finish(seq, "stop")
         if len(seq.tokens) >= seq.params.max_tokens or seq.prompt_len + len(seq.tokens) >= self.max_positions:
-            self._finish(seq, "length")
+            return self._finish(seq, "length")
+        return True
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str | None) -> bool:
+        """Ends `seq` with `reason` (None: the caller went away). Returns False for _accept."""
         handle = seq.handle
-        tail = seq.assembler.finish()
-        if tail:
-            handle.emit(TokenEvent(tail, -1))
-        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.tokens), cached_tokens=seq.hit_tokens)
-        handle.emit(FinishEvent(reason, usage))
-        self._commit(seq)
-        self.log.info(
-            "generator.finished", request_id=handle.request_id, finish_reason=reason,
-            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-            cached_tokens=usage.cached_tokens,
-            ttft_s=round((seq.first_token_at or time.monotonic()) - handle.created, 6),
-            total_s=round(time.monotonic() - handle.created, 6),
-        )
-        self._drop(seq)
+        if reason is not None:
+            tail = seq.assembler.finish()
+            if tail:
+                handle.emit(TokenEvent(tail, -1))
+            usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
+            handle.emit(FinishEvent(reason, usage))
+            self._commit(seq)
+            self.log.info(
+                "generator.finished", request_id=handle.request_id, finish_reason=reason,
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                ttft_s=round((seq.first_token_at or time.monotonic()) - handle.created, 6),
+                total_s=round(time.monotonic() - handle.created, 6))
+        if seq not in self.batch.members:  # batch members leave in one re-formation per step
+            self._leave(seq)
+        else:
+            self.in_flight.pop(handle.request_id, None)
+            if seq.looked_up and not seq.committed:
+                self.prefix_cache.send_nowait(Abort(handle.request_id))
+                seq.committed = True  # nothing more to release for it
+        return False
+
+    def _hashes(self, seq: Sequence, token_ids) -> list[bytes]:
+        prompt = seq.job.prompt
+        return sequence_block_hashes(self.adapter.model_sig, seq.handle.request.cache_salt, token_ids,
+                                     prompt.spans, prompt.mm_keys, self.block_size)
+
+    def _commit(self, seq: Sequence) -> None:
+        """Hands the full blocks of prompt and generated tokens to the prefix cache."""
+        if self.prefix_cache is None or not seq.kv_len:
+            return
+        ids = (list(seq.job.prompt.input_ids) + seq.tokens)[: seq.kv_len]
+        hashes = self._hashes(seq, ids)
+        if hashes:
+            kv = self.batch.kv_of(seq) if seq in self.batch.members else seq.kv
+            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, tuple(hashes), kv))
+            seq.committed = True

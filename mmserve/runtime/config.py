@@ -77,6 +77,11 @@ class PrefixCacheConfig:
 
 
 @dataclass(frozen=True)
+class GeneratorConfig:
+    prefill_chunk_tokens: int = 512
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     restart_backoff_s: float = 0.1
     max_restart_backoff_s: float = 5.0
@@ -96,6 +101,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     encoder_cache: EncoderCacheConfig = field(default_factory=EncoderCacheConfig)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -126,6 +132,7 @@ _SECTIONS = {
     "limits": LimitsConfig,
     "encoder_cache": EncoderCacheConfig,
     "prefix_cache": PrefixCacheConfig,
+    "generator": GeneratorConfig,
     "supervisor": SupervisorConfig,
     "logging": LoggingConfig,
 }

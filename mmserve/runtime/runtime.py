@@ -186,7 +186,8 @@ class Runtime:
         actors = {}
         if pc.enabled:
             actors["prefix_cache"] = PrefixCacheManager(adapter, pc)
-        generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc.block_size)
+        generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc.block_size,
+                              self.config.generator)
         actors["encoder"] = Encoder(adapter, generator.inbox_send, self.config.encoder_cache)
         actors["generator"] = generator
         return actors
