@@ -138,3 +138,16 @@ def test_models_and_request_id(client):
     resp = chat(client, {"messages": colour_question("red"), "max_tokens": 1}, headers={"x-request-id": "abc-123"})
     assert resp.headers["x-request-id"] == "abc-123"
     assert resp.json()["id"] == "chatcmpl-abc-123"
+
+
+def test_overload_is_429_with_retry_after(tiny_config):
+    config = tiny_config.replace(limits={"max_pending_requests": 1})
+    with ServerThread(config) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": colour_question("red"), "stream": True, "max_tokens": 2000, "min_tokens": 2000}) as long:
+            lines = long.iter_lines()  # kept: dropping the iterator closes the response
+            next(lines)
+            resp = chat(c, {"messages": colour_question("red"), "max_tokens": 2})
+            err = assert_error(resp, 429, "server_overloaded")
+            assert resp.headers["Retry-After"] == "1" and err["type"] == "rate_limit_error"
+        assert_still_serving(c)

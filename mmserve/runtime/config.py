@@ -58,6 +58,7 @@ class LimitsConfig:
     default_max_tokens: int = 256
     max_stop_sequences: int = 4
     decode_concurrency: int = 4
+    max_pending_requests: int = 256
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
-from mmserve.errors import MMServeError, ServiceUnavailable
+from mmserve.errors import MMServeError, Overloaded, ServiceUnavailable
 from mmserve.logs import get_logger
 from mmserve.runtime.config import Config, load_config
 from mmserve.runtime.registry import ModelRegistry
@@ -151,6 +151,7 @@ class Runtime:
         self.intake = Intake(config.limits, self._route)
         self.log = get_logger("runtime")
         self.started = time.time()
+        self._live: set[RequestHandle] = set()
 
     @classmethod
     @asynccontextmanager
@@ -232,10 +233,20 @@ class Runtime:
         health = self.health()
         if not health.ok:
             raise ServiceUnavailable(f"mmserve is not ready: {health.reason}")
+        self._admit_or_refuse()
         send, receive = trio.open_memory_channel(math.inf)
         handle = RequestHandle(request_id or new_request_id(), request, send)
+        self._live.add(handle)
         self.intake.inbox_send.send_nowait(Submit(handle))
         return ChatStream(handle, receive)
+
+    def _admit_or_refuse(self) -> None:
+        """Back-pressure: beyond `max_pending_requests` in flight, refuse with 429 + Retry-After."""
+        self._live = {h for h in self._live if h.active}
+        limit = self.config.limits.max_pending_requests
+        if len(self._live) >= limit:
+            raise Overloaded(f"mmserve is at its limit of {limit} requests in flight; retry shortly",
+                             retry_after_s=1.0)
 
     async def chat_completion(self, messages: list | None = None, **kwargs: Any) -> ChatCompletion:
         """Runs a chat request to the end and returns the whole answer."""

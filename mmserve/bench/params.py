@@ -1,0 +1,43 @@
+"""Parameter sets of the benchmark: `full`, `quick` (< 3 min on 2 cores) and `test` (tiny, seconds)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_images", "peer")
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    name: str
+    preset: str = "bench"  # demo-model preset built when no --model-dir is given
+    scenarios: tuple[str, ...] = ALL_SCENARIOS
+    torch_threads: int = 2
+    http: str = "subprocess"  # "subprocess": `mmserve serve` in its own process; "inprocess": same trio run
+    # 1. single-stream decode
+    decode_tokens: int = 64
+    decode_repeats: int = 3
+    # 2. concurrency sweep
+    levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    sweep_tokens: int = 32
+    health_interval_s: float = 0.02
+    # 3. multi-turn image chat
+    turns: int = 6
+    turn_tokens: int = 24
+    conversations: int = 2
+    ref_repeats: int = 3
+    # 4./5. same image new question; three images in a row
+    answer_tokens: int = 16
+    image_repeats: int = 2
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+FULL = BenchParams("full")
+QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=2, levels=(1, 4, 8), sweep_tokens=16,
+                turns=4, turn_tokens=16, conversations=1, ref_repeats=2, answer_tokens=8, image_repeats=1)
+TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
+               levels=(1, 2), sweep_tokens=4, turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4)
+
+PARAMS = {p.name: p for p in (FULL, QUICK, TEST)}
