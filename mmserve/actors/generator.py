@@ -42,6 +42,7 @@ class Sequence:
     committed: bool = False
     tokens: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    last_token_at: float | None = None
 
     @property
     def handle(self) -> RequestHandle:
@@ -68,12 +69,13 @@ class Generator(Actor):
     name = "generator"
 
     def __init__(self, adapter: LlavaAdapter, prefix_cache: trio.MemorySendChannel | None = None,
-                 block_size: int = 16, config: GeneratorConfig = GeneratorConfig()):
+                 block_size: int = 16, config: GeneratorConfig = GeneratorConfig(), metrics=None):
         super().__init__(model=adapter.name)
         self.adapter = adapter
         self.prefix_cache = prefix_cache
         self.block_size = block_size
         self.config = config
+        self.metrics = metrics
         self.waiting: list[Sequence] = []   # admitted, prompt not yet fully prefilled
         self.batch = DecodeBatch(adapter)
         self.max_positions = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 1 << 30)
@@ -231,8 +233,12 @@ class Generator(Actor):
     def _accept(self, seq: Sequence, token: int) -> bool:
         """Takes a sampled token; False when the sequence has finished (it is then finalised)."""
         handle = seq.handle
+        now = time.monotonic()
         if seq.first_token_at is None:
-            seq.first_token_at = time.monotonic()
+            seq.first_token_at = now
+        elif self.metrics is not None:
+            self.metrics.token_gap(self.adapter.name, now - seq.last_token_at)
+        seq.last_token_at = now
         if token in self.adapter.eos_token_ids:
             return self._finish(seq, "stop")
         seq.tokens.append(token)
@@ -255,12 +261,15 @@ class Generator(Actor):
             usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
             handle.emit(FinishEvent(reason, usage))
             self._commit(seq)
+            ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created
+            if self.metrics is not None:
+                self.metrics.request_finished(self.adapter.name, reason, usage.prompt_tokens,
+                                              usage.completion_tokens, ttft, total)
             self.log.info(
                 "generator.finished", request_id=handle.request_id, finish_reason=reason,
                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
-                ttft_s=round((seq.first_token_at or time.monotonic()) - handle.created, 6),
-                total_s=round(time.monotonic() - handle.created, 6))
+                cached_tokens=usage.cached_tokens, images=len(seq.job.prompt.spans),
+                ttft_s=round(ttft, 6), total_s=round(total, 6))
         if seq not in self.batch.members:  # batch members leave in one re-formation per step
             self._leave(seq)
         else:

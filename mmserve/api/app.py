@@ -13,6 +13,7 @@ from werkzeug.exceptions import HTTPException
 
 from mmserve.errors import BadRequest, MMServeError, PayloadTooLarge, InternalError
 from mmserve.logs import get_logger
+from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mmserve.runtime.runtime import ChatStream, Delta, Runtime, new_request_id, usage_json
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -67,6 +68,10 @@ def create_app(rt: Runtime) -> QuartTrio:
     async def health():
         h = rt.health()
         return Response(json.dumps(h.to_json()), status=200 if h.ok else 503, mimetype="application/json")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(rt.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():

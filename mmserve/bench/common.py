@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from time import perf_counter
 
 from mmserve.models.demo import COLORS, SHAPES, render_image
+from mmserve.runtime.runtime import usage_json
 
 MODEL = "bench"  # the name the benchmark serves its model under
 SYSTEM_A = "You are a helpful assistant. Look at the image carefully and answer the question."
@@ -69,6 +70,7 @@ class Timing:
     total: float  # to the last token
     completion_tokens: int
     cached_tokens: int = 0
+    prompt_tokens: int = 0
     text: str = ""
     deltas: tuple[str, ...] = ()
 
@@ -95,11 +97,12 @@ class _Clock:
             self.deltas.append(text)
             self.first = self.first or perf_counter()
 
-    def finish(self, completion_tokens: int, cached_tokens: int, at: float | None = None) -> Timing:
+    def finish(self, usage: dict, at: float | None = None) -> Timing:
         """The timing, the last token having come at `at` (default: now)."""
         last = at or perf_counter()
         first = self.first or last
-        return Timing(first - self.start, last - self.start, completion_tokens, cached_tokens,
+        return Timing(first - self.start, last - self.start, usage["completion_tokens"],
+                      usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"],
                       "".join(self.deltas), tuple(self.deltas))
 
 
@@ -116,7 +119,7 @@ async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = N
         async for delta in stream:
             clock.text(delta.text)
             if delta.finish_reason is not None:
-                return clock.finish(delta.usage.completion_tokens, delta.usage.cached_tokens)
+                return clock.finish(usage_json(delta.usage))
     raise RuntimeError("the stream ended without a finish reason")
 
 
@@ -140,7 +143,7 @@ async def timed_http(client, url: str, messages: list[dict], tokens: int, salt: 
             usage = chunk.get("usage") or usage
     if finished is None or usage is None:
         raise RuntimeError("the stream ended without a finish reason or usage")
-    return clock.finish(usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"], at=finished)
+    return clock.finish(usage, at=finished)
 
 
 # -- statistics ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, Subm
 from mmserve.errors import MMServeError, Overloaded, ServiceUnavailable
 from mmserve.logs import get_logger
 from mmserve.runtime.config import Config, load_config
+from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.request import ChatRequest, parse_chat_request
 from mmserve.runtime.supervisor import Health, Supervisor
@@ -152,6 +153,8 @@ class Runtime:
         self.log = get_logger("runtime")
         self.started = time.time()
         self._live: set[RequestHandle] = set()
+        self.metrics = Metrics()
+        self.metrics.attach(self)
 
     @classmethod
     @asynccontextmanager
@@ -188,7 +191,7 @@ class Runtime:
         if pc.enabled:
             actors["prefix_cache"] = PrefixCacheManager(adapter, pc)
         generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc.block_size,
-                              self.config.generator)
+                              self.config.generator, self.metrics)
         actors["encoder"] = Encoder(adapter, generator.inbox_send, self.config.encoder_cache)
         actors["generator"] = generator
         return actors

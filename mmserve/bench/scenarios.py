@@ -1,0 +1,288 @@
+"""The benchmark scenarios. Each compares side by side, in the same run, and returns a dict of
+measurements plus `rows` for the report's summary table. Times are seconds unless named `_ms`."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+from time import perf_counter
+
+import trio
+
+from mmserve.bench.common import (MODEL, QUESTIONS, SYSTEM_A, SYSTEM_B, Timing, ask, assistant, image, median,
+                                  percentile, ratio, row, system, timed_chat, timed_http, user)
+from mmserve.bench.context import Bench
+
+
+def _brief(t: Timing) -> dict:
+    return {"ttft_s": t.ttft, "total_s": t.total, "decode_tps": t.decode_tps, "completion_tokens": t.completion_tokens,
+            "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens}
+
+
+def _at_most(value: float, target: float) -> bool | None:
+    return None if value != value else bool(value <= target)  # NaN: unknown
+
+
+# -- 1. single-stream decode -------------------------------------------------------------------
+
+async def decode(b: Bench) -> dict:
+    """Decode tokens/s of one stream: mmserve embedded and over HTTP vs HF `generate`, interleaved."""
+    p, hf = b.params, b.hf
+    msgs = ask(b.new_image())
+    runs: dict[str, list[Timing]] = {"embedded": [], "http": [], "hf": []}
+    async with b.runtime(prefix=False, encoder=False) as rt, b.server(prefix=False, encoder=False) as (client, url):
+        for r in range(p.decode_repeats):
+            b.note(f"repeat {r + 1}/{p.decode_repeats}")
+            runs["embedded"].append(await timed_chat(rt, msgs, p.decode_tokens))
+            runs["http"].append(await timed_http(client, url, msgs, p.decode_tokens))
+            runs["hf"].append(hf.generate(msgs, p.decode_tokens))
+    tps = {k: median(t.decode_tps for t in v) for k, v in runs.items()}
+    ttft = {k: median(t.ttft for t in v) for k, v in runs.items()}
+    rows = [row("1 decode", f"decode tok/s, {k}", tps[k], "tok/s", tps["hf"], ratio(tps[k], tps["hf"]))
+            for k in ("embedded", "http")]
+    rows += [row("1 decode", f"TTFT, {k}", ttft[k], "s", ttft["hf"], ratio(ttft[k], ttft["hf"]))
+             for k in ("embedded", "http")]
+    return {"new_tokens": p.decode_tokens, "decode_tps": tps, "ttft_s": ttft,
+            "ratio_vs_hf": {k: ratio(tps[k], tps["hf"]) for k in ("embedded", "http")},
+            "runs": {k: [_brief(t) for t in v] for k, v in runs.items()}, "rows": rows}
+
+
+# -- 2. concurrency sweep ------------------------------------------------------------------------
+
+async def _poll_health(client, url: str, interval: float, out: list) -> None:
+    while True:
+        t0 = perf_counter()
+        r = await client.get(url + "/health")
+        out.append((perf_counter() - t0, r.status_code))
+        await trio.sleep(interval)
+
+
+async def _level(client, url: str, requests: list, tokens: int, poll: float | None) -> dict:
+    """All `requests` at once over HTTP; with `poll`, /health is polled every `poll` s meanwhile."""
+    results: list[Timing | None] = [None] * len(requests)
+    health: list[tuple[float, int]] = []
+
+    async def one(i: int) -> None:
+        results[i] = await timed_http(client, url, requests[i], tokens)
+
+    start = perf_counter()
+    async with trio.open_nursery() as outer:
+        if poll:
+            outer.start_soon(_poll_health, client, url, poll, health)
+        async with trio.open_nursery() as nursery:
+            for i in range(len(requests)):
+                nursery.start_soon(one, i)
+        wall = perf_counter() - start
+        outer.cancel_scope.cancel()
+    ttfts = [t.ttft for t in results]
+    out = {"concurrency": len(requests), "wall_s": wall, "agg_tps": sum(t.completion_tokens for t in results) / wall,
+           "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
+    if poll:
+        lat = [h[0] * 1000 for h in health]
+        out["health"] = {"polls": len(lat), "non_200": sum(h[1] != 200 for h in health),
+                         "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat, default=None)}
+    return out
+
+
+def _hf_sequential(runs: list[Timing]) -> dict:
+    """HF `generate` of the same requests one after another: aggregate tokens/s, and the TTFTs the
+    requests would see if they all arrived at once and were served in order."""
+    busy, ttfts = 0.0, []
+    for t in runs:
+        ttfts.append(busy + t.ttft)
+        busy += t.total
+    return {"agg_tps": sum(t.completion_tokens for t in runs) / busy,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
+
+
+async def concurrency(b: Bench) -> dict:
+    """N concurrent streaming HTTP requests (distinct images; caches off) vs sequential HF generate."""
+    p, top = b.params, max(b.params.levels)
+    requests = [ask(b.new_image()) for _ in range(top)]
+    b.note(f"HF generate x{top}")
+    hf_runs = [b.hf.generate(m, p.sweep_tokens) for m in requests]
+    levels = []
+    async with b.server(prefix=False, encoder=False) as (client, url):
+        for n in p.levels:
+            b.note(f"{n} concurrent")
+            lv = await _level(client, url, requests[:n], p.sweep_tokens, p.health_interval_s if n == top else None)
+            lv["hf"] = _hf_sequential(hf_runs[:n])
+            lv["ratio_agg_tps"] = ratio(lv["agg_tps"], lv["hf"]["agg_tps"])
+            levels.append(lv)
+    return {"new_tokens": p.sweep_tokens, "levels": levels, "health_during": top, "rows": _concurrency_rows(levels)}
+
+
+def _concurrency_rows(levels: list[dict]) -> list[dict]:
+    rows = []
+    for lv in levels:
+        n, hf = lv["concurrency"], lv["hf"]
+        rows.append(row("2 concurrency", f"aggregate tok/s @{n}", lv["agg_tps"], "tok/s", hf["agg_tps"],
+                        lv["ratio_agg_tps"]))
+        rows.append(row("2 concurrency", f"TTFT p50 @{n}", lv["ttft_p50_s"], "s", hf["ttft_p50_s"],
+                        ratio(lv["ttft_p50_s"], hf["ttft_p50_s"])))
+        rows.append(row("2 concurrency", f"TTFT p99 @{n}", lv["ttft_p99_s"], "s", hf["ttft_p99_s"],
+                        ratio(lv["ttft_p99_s"], hf["ttft_p99_s"])))
+        if "health" in lv:
+            h = lv["health"]
+            rows.append(row("2 concurrency", f"/health p99 @{n} ({h['polls']} polls, max {h['max_ms']:.0f} ms)",
+                            h["p99_ms"], "ms"))
+    return rows
+
+
+# -- 3. multi-turn image chat ----------------------------------------------------------------
+
+async def multiturn(b: Bench) -> dict:
+    """A chat that resends its whole history (image included) every turn: TTFT with the prefix cache
+    on vs off, and vs the bare compute of prefilling only the uncached suffix."""
+    p, ref = b.params, b.ref
+    per_turn: list[list[dict]] = [[] for _ in range(p.turns)]
+    async with b.runtime(prefix=True) as on, b.runtime(prefix=False) as off:
+        for c in range(p.conversations):
+            history, img = [system(SYSTEM_A)], image(b.new_image())
+            for k in range(p.turns):
+                b.note(f"conversation {c + 1}/{p.conversations}, turn {k + 1}/{p.turns}")
+                history.append(user(QUESTIONS[k % len(QUESTIONS)], img if k == 0 else None))
+                hit = await timed_chat(on, history, p.turn_tokens, salt=f"mt{c}")
+                miss = await timed_chat(off, history, p.turn_tokens, salt=f"mt{c}")
+                ref_s, suffix = ref.time(history, hit.cached_tokens, p.ref_repeats)
+                per_turn[k].append({"ttft_on_s": hit.ttft, "ttft_off_s": miss.ttft, "prefill_suffix_s": ref_s,
+                                    "prompt_tokens": hit.prompt_tokens, "cached_tokens": hit.cached_tokens,
+                                    "suffix_tokens": suffix})
+                history.append(assistant(hit.text))
+    turns = [_turn_summary(k + 1, runs) for k, runs in enumerate(per_turn)]
+    return {"new_tokens": p.turn_tokens, "conversations": p.conversations, "turns": turns, "rows": _turn_rows(turns)}
+
+
+def _turn_summary(turn: int, runs: list[dict]) -> dict:
+    out = {"turn": turn, **{k: median(r[k] for r in runs) for k in runs[0]}}
+    out["ratio_on_off"] = ratio(out["ttft_on_s"], out["ttft_off_s"])
+    out["ratio_hit_vs_suffix_prefill"] = ratio(out["ttft_on_s"], out["prefill_suffix_s"])
+    return out
+
+
+def _turn_rows(turns: list[dict]) -> list[dict]:
+    rows = []
+    for t in turns[2:]:  # turns >= 3
+        k = t["turn"]
+        rows.append(row("3 multi-turn", f"turn {k}: TTFT prefix cache on / off", t["ttft_on_s"], "s", t["ttft_off_s"],
+                        t["ratio_on_off"], "≤ 0.25", _at_most(t["ratio_on_off"], 0.25)))
+        rows.append(row("3 multi-turn", f"turn {k}: TTFT(hit) / prefill({t['suffix_tokens']:.0f}-token suffix)",
+                        t["ttft_on_s"], "s", t["prefill_suffix_s"], t["ratio_hit_vs_suffix_prefill"], "≤ 1.15",
+                        _at_most(t["ratio_hit_vs_suffix_prefill"], 1.15)))
+    return rows
+
+
+# -- 4. same image, new question ---------------------------------------------------------------
+
+def _encoder_runs(rt) -> int:
+    return rt.stats()[MODEL]["encoder"]["encoder_runs"]
+
+
+async def _timed_with_encoder(rt, messages, tokens: int, salt: str) -> tuple[Timing, int]:
+    before = _encoder_runs(rt)
+    t = await timed_chat(rt, messages, tokens, salt)
+    return t, _encoder_runs(rt) - before
+
+
+async def _same_image_once(rt, img, tokens: int, salt: str) -> dict:
+    first = [system(SYSTEM_A), user(QUESTIONS[0], img)]
+    cold, cold_runs = await _timed_with_encoder(rt, first, tokens, salt)
+    same, same_runs = await _timed_with_encoder(rt, first + [assistant(cold.text), user(QUESTIONS[1])], tokens, salt)
+    other, other_runs = await _timed_with_encoder(rt, [system(SYSTEM_B), user(QUESTIONS[1], img)], tokens, salt)
+    return {"cold_s": cold.ttft, "same_conversation_s": same.ttft, "other_conversation_s": other.ttft,
+            "same_conversation_cached_tokens": same.cached_tokens, "other_conversation_cached_tokens": other.cached_tokens,
+            "encoder_runs": {"cold": cold_runs, "same_conversation": same_runs, "other_conversation": other_runs}}
+
+
+async def same_image(b: Bench) -> dict:
+    """The same image with a new question, in the same and in another conversation (other system
+    prompt: no prefix reuse), with the encoder cache on and off, vs the cold first request."""
+    p = b.params
+    runs: dict[str, list[dict]] = {"encoder_cache_on": [], "encoder_cache_off": []}
+    async with b.runtime() as enc_on, b.runtime(encoder=False) as enc_off:
+        for r in range(p.image_repeats):
+            img = image(b.new_image())
+            for name, rt in (("encoder_cache_on", enc_on), ("encoder_cache_off", enc_off)):
+                b.note(f"repeat {r + 1}/{p.image_repeats}, {name}")
+                runs[name].append(await _same_image_once(rt, img, p.answer_tokens, f"si{r}"))
+    summary = {name: _same_image_summary(rs) for name, rs in runs.items()}
+    return {"new_tokens": p.answer_tokens, "summary": summary, "runs": runs, "rows": _same_image_rows(summary)}
+
+
+def _same_image_summary(runs: list[dict]) -> dict:
+    keys = ("cold_s", "same_conversation_s", "other_conversation_s")
+    out = {k: median(r[k] for r in runs) for k in keys}
+    out["ratio_same_conversation"] = ratio(out["same_conversation_s"], out["cold_s"])
+    out["ratio_other_conversation"] = ratio(out["other_conversation_s"], out["cold_s"])
+    out["encoder_runs"] = runs[-1]["encoder_runs"]
+    return out
+
+
+def _same_image_rows(summary: dict) -> list[dict]:
+    rows = []
+    for name, s in summary.items():
+        target = "≤ 0.5" if name == "encoder_cache_on" else None
+        label = name.replace("_", " ")
+        for conv in ("same_conversation", "other_conversation"):
+            r = s[f"ratio_{conv}"]
+            rows.append(row("4 same image", f"{conv.replace('_', ' ')}, {label}: warm / cold TTFT", s[f"{conv}_s"],
+                            "s", s["cold_s"], r, target, _at_most(r, 0.5) if target else None))
+    return rows
+
+
+# -- 5. three images, identical text ------------------------------------------------------------
+
+async def three_images(b: Bench) -> dict:
+    """Three different images with identical text, then the same three again: cache-on output must
+    equal cache-off output (random weights: no answer to check, so equality is the oracle)."""
+    p = b.params
+    requests = [[user(QUESTIONS[3], image(b.new_image()))] for _ in range(3)]
+    async with b.runtime() as on, b.runtime(prefix=False, encoder=False) as off:
+        first, reference = [], []
+        for i, msgs in enumerate(requests):
+            b.note(f"image {i + 1}/3")
+            first.append(await timed_chat(on, msgs, p.turn_tokens))
+            reference.append(await timed_chat(off, msgs, p.turn_tokens))
+        b.note("repeat")
+        again = [await timed_chat(on, msgs, p.turn_tokens) for msgs in requests]
+    same = [a.deltas == r.deltas and a.completion_tokens == r.completion_tokens
+            for runs in (first, again) for a, r in zip(runs, reference)]
+    no_cross = all(t.cached_tokens == 0 for t in first)
+    ttft = {"cache_on_first": median(t.ttft for t in first), "cache_on_repeat": median(t.ttft for t in again),
+            "cache_off": median(t.ttft for t in reference)}
+    rows = [row("5 three images", "cache-on output == cache-off output", all(same), "", target="true", ok=all(same)),
+            row("5 three images", "no prefix hit across different images", no_cross, "",
+                [t.cached_tokens for t in first], target="true", ok=no_cross),
+            row("5 three images", "TTFT cache on (new image) / cache off", ttft["cache_on_first"], "s", ttft["cache_off"],
+                ratio(ttft["cache_on_first"], ttft["cache_off"])),
+            row("5 three images", "TTFT cache on (repeated image) / cache off", ttft["cache_on_repeat"], "s",
+                ttft["cache_off"], ratio(ttft["cache_on_repeat"], ttft["cache_off"]))]
+    return {"new_tokens": p.turn_tokens, "outputs_equal": same, "no_cross_image_hits": no_cross, "ttft_s": ttft,
+            "cached_tokens": {"first": [t.cached_tokens for t in first], "repeat": [t.cached_tokens for t in again]},
+            "texts": {"cache_on": [t.text for t in first], "cache_off": [t.text for t in reference]}, "rows": rows}
+
+
+# -- 6. peer: transformers serve ------------------------------------------------------------
+
+async def peer(b: Bench) -> dict:
+    """`transformers serve` as a peer server. Not installed for it: recorded as skipped."""
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if shutil.which("transformers") is None and not (Path(sys.executable).parent / "transformers").exists():
+        reason = "the `transformers` CLI is not installed"
+    elif missing:
+        reason = f"`transformers serve` needs {' and '.join(missing)} (transformers[serving]), not installed here"
+    else:
+        reason = "`transformers serve` looks runnable, but the peer comparison is not implemented yet"
+    return {"status": "skipped", "reason": reason, "rows": [row("6 peer", "transformers serve", f"skipped: {reason}")]}
+
+
+SCENARIOS = {
+    "decode": decode,
+    "concurrency": concurrency,
+    "multiturn": multiturn,
+    "same_image": same_image,
+    "three_images": three_images,
+    "peer": peer,
+}

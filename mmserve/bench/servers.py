@@ -1,0 +1,116 @@
+"""The mmserve instances under test: embedded runtimes and HTTP servers (in its own process, as
+deployed, or in the benchmark's own trio run for fast tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import trio
+
+from mmserve.bench.common import MODEL
+from mmserve.runtime.config import Config, ModelConfig
+from mmserve.runtime.runtime import Runtime
+
+START_TIMEOUT_S = 180
+
+
+def bench_config(model_dir: Path, threads: int, prefix: bool = True, encoder: bool = True) -> Config:
+    """One model, named `bench`, with the prefix and encoder caches on or off."""
+    return Config(models=(ModelConfig(MODEL, str(model_dir), default=True),)).replace(
+        runtime={"torch_threads": threads}, prefix_cache={"enabled": prefix}, encoder_cache={"enabled": encoder},
+        server={"host": "127.0.0.1", "port": 0}, logging={"format": "json", "level": "info"})
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def config_toml(config: Config) -> str:
+    """The config as a TOML file `mmserve serve --config` reads back to the same Config."""
+    lines = []
+    for f in dataclasses.fields(config):
+        section = getattr(config, f.name)
+        if f.name == "models":
+            continue
+        lines.append(f"[{f.name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(section).items() if v is not None]
+    for m in config.models:
+        lines.append("[[models]]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(m).items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+@asynccontextmanager
+async def inprocess_server(config: Config) -> AsyncIterator[str]:
+    """`serve` in this trio run; yields its URL."""
+    from mmserve.api.server import serve
+
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(lambda task_status: serve(config, shutdown=shutdown, task_status=task_status))
+        try:
+            yield urls[0]
+        finally:
+            shutdown.set()
+
+
+@asynccontextmanager
+async def subprocess_server(config: Config, workdir: Path) -> AsyncIterator[str]:
+    """`mmserve serve` in its own process; its log goes to `workdir/server-*.log`. Yields its URL."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"p{int(config.prefix_cache.enabled)}e{int(config.encoder_cache.enabled)}"
+    cfg, log = workdir / f"server-{tag}.toml", workdir / f"server-{tag}.log"
+    cfg.write_text(config_toml(config))
+    with log.open("w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", "--config", str(cfg)],
+                                stdout=subprocess.DEVNULL, stderr=log_file, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        yield await _listening_url(proc, log)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            await trio.to_thread.run_sync(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _listening_url(proc: subprocess.Popen, log: Path) -> str:
+    with trio.fail_after(START_TIMEOUT_S):
+        while True:
+            for line in log.read_text().splitlines():
+                if '"http.listening"' in line:
+                    return json.loads(line)["urls"][0]
+            if proc.poll() is not None:
+                raise RuntimeError(f"mmserve serve exited with {proc.returncode}; see {log}")
+            await trio.sleep(0.2)
+
+
+@asynccontextmanager
+async def http_server(config: Config, mode: str, workdir: Path) -> AsyncIterator[str]:
+    if mode == "inprocess":
+        cm = inprocess_server(config)
+    elif mode == "subprocess":
+        cm = subprocess_server(config, workdir)
+    else:
+        raise ValueError(f"unknown http mode {mode!r}")
+    async with cm as url:
+        yield url
+
+
+def open_runtime(config: Config):
+    return Runtime.open(config)

@@ -1,0 +1,101 @@
+"""Prometheus metrics (vLLM-compatible names under the `mmserve:` prefix, `model_name` label).
+
+Request metrics are observed as requests finish; cache and actor gauges are read from the
+runtime's own state at scrape time, so a scrape never waits on model work. Each Runtime has its
+own registry (several runtimes may live in one process).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from mmserve.runtime.runtime import Runtime
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        label = ["model_name"]
+        self.ttft = Histogram("mmserve:time_to_first_token_seconds", "Time to first token.", label,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("mmserve:inter_token_latency_seconds", "Time between consecutive tokens.", label,
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("mmserve:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             label, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("mmserve:prompt_tokens", "Prompt tokens of finished requests.", label,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("mmserve:generation_tokens", "Generated tokens.", label,
+                                         registry=self.registry)
+        self.success = Counter("mmserve:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+
+    def attach(self, runtime: "Runtime") -> None:
+        self.registry.register(_RuntimeCollector(runtime))
+
+    def request_finished(self, model: str, reason: str, prompt_tokens: int, completion_tokens: int,
+                         ttft_s: float, e2e_s: float) -> None:
+        self.ttft.labels(model).observe(ttft_s)
+        self.e2e.labels(model).observe(e2e_s)
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(completion_tokens)
+        self.success.labels(model, reason).inc()
+
+    def token_gap(self, model: str, seconds: float) -> None:
+        self.itl.labels(model).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RuntimeCollector:
+    """Gauges and cache counters read from actor state when scraped."""
+
+    def __init__(self, runtime: "Runtime"):
+        self.rt = runtime
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        rt = self.rt
+        g = lambda name, doc, labels=("model_name",): GaugeMetricFamily(name, doc, labels=list(labels))  # noqa: E731
+        c = lambda name, doc, labels=("model_name",): CounterMetricFamily(name, doc, labels=list(labels))  # noqa: E731
+        running = g("mmserve:num_requests_running", "Sequences in the generator (prefilling or decoding).")
+        waiting = g("mmserve:num_requests_waiting", "Requests accepted but not yet in the generator.")
+        kv_usage = g("mmserve:kv_cache_usage_perc", "Fraction of prefix-cache KV slots in use (0-1).")
+        enc_bytes = g("mmserve:encoder_cache_bytes", "Bytes of encoder outputs held in the encoder cache.")
+        pq = c("mmserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        ph = c("mmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        mq = c("mmserve:mm_cache_queries", "Multimodal items looked up in the encoder cache.")
+        mh = c("mmserve:mm_cache_hits", "Multimodal items found in the encoder cache.")
+        live = [h for h in rt._live if h.active]
+        for name, m in rt.registry.loaded.items():
+            gen_ids = {s.handle.request_id for s in m.generator.running}
+            running.add_metric([name], len(gen_ids))
+            waiting.add_metric([name], sum(1 for h in live if h.model == name and h.request_id not in gen_ids))
+            enc = m.encoder.stats()
+            enc_bytes.add_metric([name], enc.get("bytes_in_use", 0))
+            mq.add_metric([name], enc.get("hits", 0) + enc.get("misses", 0))
+            mh.add_metric([name], enc.get("hits", 0))
+            if m.prefix_cache is not None:
+                pc = m.prefix_cache.stats()
+                used = pc["num_slots"] - pc["free_slots"]
+                kv_usage.add_metric([name], used / pc["num_slots"] if pc["num_slots"] else 0.0)
+                pq.add_metric([name], pc["query_tokens"])
+                ph.add_metric([name], pc["hit_tokens"])
+        yield from (running, waiting, kv_usage, enc_bytes, pq, ph, mq, mh)
+        restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
+        for key, state in rt.supervisor.states.items():
+            restarts.add_metric([key], state.restarts)
+        yield restarts
+        healthy = GaugeMetricFamily("mmserve:healthy", "1 when every actor is alive, else 0.")
+        healthy.add_metric([], 1.0 if rt.health().ok else 0.0)
+        yield healthy

@@ -1,0 +1,47 @@
+"""/metrics moves by exactly the expected amounts."""
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmserve.models.demo import Q_SHAPE, render_image
+from tests.helpers import ServerThread, ask
+
+
+def scrape(client) -> dict:
+    text = client.get("/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            out[key] = s.value
+    return out
+
+
+def value(m, name, **labels):
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_move_by_exact_amounts(tiny_config):
+    img = render_image("red", "circle", seed=1)
+    with ServerThread(tiny_config) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        before = scrape(c)
+        first = ask(img)
+        r1 = c.post("/v1/chat/completions", json={"messages": first, "max_tokens": 5, "min_tokens": 5, "temperature": 0}).json()
+        follow = [*first, {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": Q_SHAPE}]
+        r2 = c.post("/v1/chat/completions", json={"messages": follow, "max_tokens": 3, "min_tokens": 3, "temperature": 0}).json()
+        after = scrape(c)
+    m = {"model_name": "tiny"}
+    delta = lambda name, **lb: value(after, name, **lb) - value(before, name, **lb)  # noqa: E731
+    assert delta("mmserve:generation_tokens_total", **m) == 8
+    assert delta("mmserve:prompt_tokens_total", **m) == r1["usage"]["prompt_tokens"] + r2["usage"]["prompt_tokens"]
+    assert delta("mmserve:request_success_total", model_name="tiny", finished_reason="length") == 2
+    assert delta("mmserve:time_to_first_token_seconds_count", **m) == 2
+    assert delta("mmserve:inter_token_latency_seconds_count", **m) == (5 - 1) + (3 - 1)
+    assert delta("mmserve:mm_cache_queries_total", **m) == 2 and delta("mmserve:mm_cache_hits_total", **m) == 1
+    assert delta("mmserve:prefix_cache_hits_total", **m) == r2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert value(after, "mmserve:healthy") == 1.0
+    assert value(after, "mmserve:num_requests_running", **m) == 0
+    assert 0 < value(after, "mmserve:kv_cache_usage_perc", **m) <= 1
+    assert value(after, "mmserve:encoder_cache_bytes", **m) > 0
+    assert value(after, "mmserve:actor_restarts_total", actor="generator[tiny]") == 0
