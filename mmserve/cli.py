@@ -1,4 +1,4 @@
-"""`mmserve serve | train-demo | make-model` — the command line."""
+"""`mmserve serve | train-demo | make-model | bench` — the command line."""
 
 from __future__ import annotations
 
@@ -50,6 +50,23 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from mmserve.bench import PARAMS, run_bench
+
+    report = run_bench(args.out, PARAMS["quick" if args.quick else "full"], model_dir=args.model_dir)
+    print(report["paths"]["md"])
+    return 0 if all(r.get("status") in ("ok", "skipped") for r in report["scenarios"].values()) else 1
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from mmserve.trace import main as trace
+
+    if args.log == "-":
+        return trace(args.request_id, sys.stdin, args.json)
+    with open(args.log, encoding="utf-8", errors="replace") as f:
+        return trace(args.request_id, f, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmserve", description="Serve multimodal language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -74,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=_make_model)
+
+    b = sub.add_parser("bench", help="benchmark mmserve side by side with raw transformers and with its caches off")
+    b.add_argument("--model-dir", help="a LLaVA checkpoint (default: build the random-weight `bench` preset into "
+                   "<out>/bench-model, reused when present)")
+    b.add_argument("--out", default="bench-out", help="where report.json, report.md and report.png go")
+    b.add_argument("--quick", action="store_true", help="fewer tokens, levels and turns (a few minutes)")
+    b.set_defaults(func=_bench)
+    tr = sub.add_parser("trace", help="one request's timeline across actors, from a JSON log")
+    tr.add_argument("request_id")
+    tr.add_argument("--log", default="-", help="the JSON log file, or - for standard input (default)")
+    tr.add_argument("--json", action="store_true", help="machine-readable output")
+    tr.set_defaults(func=_trace)
     return p
 
 

@@ -104,6 +104,7 @@ class Encoder(Actor):
                 if cached is not None:
                     self.cache.pin(key, rid)
                     found[id(j), i] = cached
+                    j.handle.encoder_hits += 1
                     self.log.info("encoder_cache.hit", request_id=rid, key=key_prefix(key),
                                   bytes=tensor_nbytes(cached))
                     continue

@@ -158,8 +158,12 @@ class Generator(Actor):
                 if not seq.handle.active:
                     continue
             chunk = min(budget, seq.prompt_len - seq.kv_len)
+            t0 = time.monotonic()
             logits = await trio.to_thread.run_sync(self._prefill_chunk, seq, chunk)
             budget -= chunk
+            self.log.info("generator.prefill", request_id=seq.handle.request_id, tokens=chunk,
+                          start=seq.kv_len - chunk, cached_tokens=seq.hit_tokens, done=seq.prefilled,
+                          duration_s=round(time.monotonic() - t0, 6))
             if seq.prefilled:
                 self.waiting.remove(seq)
                 token = self._sample(seq, logits)

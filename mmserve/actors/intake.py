@@ -8,6 +8,7 @@ Bad input is answered here, with a typed error, before any model work.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Awaitable, Callable
 
 import trio
@@ -94,12 +95,16 @@ class Intake(Actor):
                 return
             adapter, encoder_inbox = await self.route(handle.model)
             request = handle.request
+            t0 = time.monotonic()
             images = await trio.to_thread.run_sync(decode_images, request, self.limits, limiter=self.limiter)
+            t1 = time.monotonic()
             if not handle.active:
                 log.info("intake.aborted")
                 return
             prompt = await trio.to_thread.run_sync(prepare, adapter, request, images, self.limits, limiter=self.limiter)
-            log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(images))
+            log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(images),
+                     queued_s=round(t0 - handle.created, 6), decode_s=round(t1 - t0, 6),
+                     preprocess_s=round(time.monotonic() - t1, 6))
             if handle.active:
                 encoder_inbox.send_nowait(EncodeJob(handle, prompt))
         except (MMServeError, ModelNotFound) as e:

@@ -62,6 +62,7 @@ class RequestHandle:
     created: float = field(default_factory=time.monotonic)
     aborted: bool = False
     finished: bool = False
+    encoder_hits: int = 0  # written by the encoder; read for the request's canonical log line
 
     @property
     def model(self) -> str:

@@ -89,6 +89,7 @@ class ChatStream:
         self.handle = handle
         self._receive = receive
         self._done = False
+        self._first_token_at: float | None = None
         self._finalizer = weakref.finalize(self, _abandon, handle, receive)
 
     @property
@@ -115,15 +116,33 @@ class ChatStream:
             self._done = True
             raise StopAsyncIteration from None
         if isinstance(event, TokenEvent):
+            if self._first_token_at is None:
+                self._first_token_at = time.monotonic()
             return Delta(event.text)
         self._done = True
         if isinstance(event, ErrorEvent):
+            self._log_end(event.error.status, error=event.error.message)
             raise event.error
         if isinstance(event, FinishEvent):
+            self._log_end(200, finish_reason=event.finish_reason, usage=event.usage)
             return Delta("", event.finish_reason, event.usage)
         raise TypeError(f"unexpected event {event!r}")
 
+    def _log_end(self, status: int, finish_reason: str | None = None, usage: Usage | None = None, **extra) -> None:
+        """The one canonical line per finished request."""
+        h, now = self.handle, time.monotonic()
+        _log.info("request.finished", request_id=h.request_id, model=h.model, status=status,
+                  finish_reason=finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
+                  cached_tokens=usage.cached_tokens if usage else None,
+                  completion_tokens=usage.completion_tokens if usage else None,
+                  images=h.request.num_images, encoder_hits=h.encoder_hits,
+                  ttft_s=round(self._first_token_at - h.created, 6) if self._first_token_at else None,
+                  total_s=round(now - h.created, 6), **extra)
+
     def close(self) -> None:
+        if not self._done and self._finalizer.alive:
+            self._done = True
+            self._log_end(499, finish_reason="client_gone")
         self._finalizer()
 
     async def aclose(self) -> None:
@@ -134,6 +153,9 @@ class ChatStream:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+_log = get_logger("runtime")
 
 
 def _abandon(handle: RequestHandle, receive: trio.MemoryReceiveChannel) -> None:
@@ -240,6 +262,8 @@ class Runtime:
         send, receive = trio.open_memory_channel(math.inf)
         handle = RequestHandle(request_id or new_request_id(), request, send)
         self._live.add(handle)
+        self.log.info("request.received", request_id=handle.request_id, model=request.model,
+                      images=request.num_images, messages=len(request.messages), stream=request.stream)
         self.intake.inbox_send.send_nowait(Submit(handle))
         return ChatStream(handle, receive)
 

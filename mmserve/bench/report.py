@@ -1,0 +1,186 @@
+"""The benchmark's report: report.json (everything), report.md (tables), report.png (charts)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+COLUMNS = ("scenario", "metric", "mmserve", "baseline", "ratio", "target", "ok")
+
+
+def write_reports(report: dict, out: Path) -> dict[str, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "md": out / "report.md", "png": out / "report.png"}
+    paths["json"].write_text(json.dumps(_clean(report), indent=2, default=str) + "\n")
+    paths["md"].write_text(markdown(report))
+    plot(report, paths["png"])
+    return paths
+
+
+def _clean(o):
+    """NaN (a ratio with nothing to divide by) as null: report.json stays strict JSON."""
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+# -- Markdown ------------------------------------------------------------------------------------
+
+def fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "**NO**"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(fmt(x) for x in v)
+    return str(v).replace("|", "\\|")
+
+
+def table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _summary_cells(r: dict) -> list:
+    value = f"{fmt(r['value'])} {r['unit']}".strip() if not isinstance(r["value"], (bool, str)) else r["value"]
+    base = f"{fmt(r['baseline'])} {r['unit']}".strip() if isinstance(r["baseline"], float) else r["baseline"]
+    return [r["scenario"], r["metric"], value, base, r["ratio"], r["target"], r["ok"]]
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    parts = [
+        f"# mmserve benchmark ({meta['params']['name']})",
+        f"Model `{meta['model_dir']}` (preset `{meta['params']['preset']}`), torch threads "
+        f"{meta['torch_threads']}, {meta['cpu_count']} CPUs, load average {fmt(meta['loadavg_start'])} at start and "
+        f"{fmt(meta['loadavg_end'])} at the end; took {meta['duration_s']:.0f} s. torch {meta['torch']}, "
+        f"transformers {meta['transformers']}.",
+        "Every comparison ran side by side in this run: read the ratios; absolute times on a shared machine mean "
+        "little. Baselines: raw transformers `generate` (scenarios 1-2), the same runtime with the cache off "
+        "(3-5), the cold first request (4), the bare suffix prefill (3). Greedy decoding, fixed lengths "
+        "(min_tokens = max_tokens).",
+        "## Summary",
+        table(COLUMNS, [_summary_cells(r) for r in report["summary"]]),
+    ]
+    parts += _details(report["scenarios"])
+    return "\n\n".join(parts) + "\n"
+
+
+def _details(sc: dict) -> list[str]:
+    parts = ["## Details"]
+    conc = sc.get("concurrency", {})
+    if conc.get("levels"):
+        header = ("N", "agg tok/s", "HF agg tok/s", "ratio", "TTFT p50 s", "TTFT p99 s", "HF TTFT p50 s",
+                  "HF TTFT p99 s", "wall s")
+        rows = [(lv["concurrency"], lv["agg_tps"], lv["hf"]["agg_tps"], lv["ratio_agg_tps"], lv["ttft_p50_s"],
+                 lv["ttft_p99_s"], lv["hf"]["ttft_p50_s"], lv["hf"]["ttft_p99_s"], lv["wall_s"]) for lv in conc["levels"]]
+        parts += [f"### 2. Concurrency sweep ({conc['new_tokens']} new tokens per request; HF = same requests, "
+                  "sequential; HF TTFT = as if all arrived at once)", table(header, rows)]
+    mt = sc.get("multiturn", {})
+    if mt.get("turns"):
+        header = ("turn", "prompt tok", "cached tok", "suffix tok", "TTFT on s", "TTFT off s", "prefill(suffix) s",
+                  "on/off", "hit/suffix")
+        rows = [(t["turn"], t["prompt_tokens"], t["cached_tokens"], t["suffix_tokens"], t["ttft_on_s"], t["ttft_off_s"],
+                 t["prefill_suffix_s"], t["ratio_on_off"], t["ratio_hit_vs_suffix_prefill"]) for t in mt["turns"]]
+        parts += [f"### 3. Multi-turn image chat (medians over {mt['conversations']} conversation(s))", table(header, rows)]
+    si = sc.get("same_image", {})
+    if si.get("summary"):
+        header = ("encoder cache", "cold s", "same conv s", "other conv s", "encoder runs (cold/same/other)")
+        rows = [(name.split("_")[2], s["cold_s"], s["same_conversation_s"], s["other_conversation_s"],
+                 "/".join(str(v) for v in s["encoder_runs"].values())) for name, s in si["summary"].items()]
+        parts += ["### 4. Same image, new question", table(header, rows)]
+    errors = [(name, r.get("error")) for name, r in sc.items() if r.get("status") == "error"]
+    if errors:
+        parts += ["### Errors", table(("scenario", "error"), errors)]
+    return parts
+
+
+# -- PNG ------------------------------------------------------------------------------------------
+
+def plot(report: dict, path: Path) -> None:
+    sc = report["scenarios"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    _plot_decode(axes[0][0], sc.get("decode", {}))
+    _plot_concurrency(axes[0][1], sc.get("concurrency", {}))
+    _plot_multiturn(axes[1][0], sc.get("multiturn", {}))
+    _plot_targets(axes[1][1], report["summary"])
+    fig.suptitle(f"mmserve benchmark ({report['meta']['params']['name']}) — ratios measured side by side")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _empty(ax, title: str) -> None:
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def _plot_decode(ax, d: dict) -> None:
+    if not d.get("decode_tps"):
+        return _empty(ax, "1. single-stream decode")
+    names = list(d["decode_tps"])
+    ax.bar(names, [d["decode_tps"][n] for n in names], color=["C0", "C1", "C7"][: len(names)])
+    ax.set_title(f"1. single-stream decode ({d['new_tokens']} tokens)")
+    ax.set_ylabel("decode tokens/s")
+
+
+def _plot_concurrency(ax, d: dict) -> None:
+    if not d.get("levels"):
+        return _empty(ax, "2. concurrency sweep")
+    n = [lv["concurrency"] for lv in d["levels"]]
+    ax.plot(n, [lv["agg_tps"] for lv in d["levels"]], "o-", label="mmserve HTTP")
+    ax.plot(n, [lv["hf"]["agg_tps"] for lv in d["levels"]], "s--", color="C7", label="HF generate, sequential")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(n, [str(x) for x in n])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("2. concurrency sweep")
+    ax.legend()
+
+
+def _plot_multiturn(ax, d: dict) -> None:
+    if not d.get("turns"):
+        return _empty(ax, "3. multi-turn image chat")
+    turns = [t["turn"] for t in d["turns"]]
+    for key, label, style in (("ttft_off_s", "TTFT, prefix cache off", "s--"), ("ttft_on_s", "TTFT, prefix cache on", "o-"),
+                              ("prefill_suffix_s", "prefill(suffix) only", "^:")):
+        ax.plot(turns, [t[key] for t in d["turns"]], style, label=label)
+    ax.set_yscale("log")
+    ax.set_xticks(turns)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("seconds")
+    ax.set_title("3. multi-turn image chat")
+    ax.legend()
+
+
+def _plot_targets(ax, rows: list[dict]) -> None:
+    rows = [r for r in rows if r["target"] and isinstance(r["ratio"], float) and not math.isnan(r["ratio"])]
+    if not rows:
+        return _empty(ax, "ratios vs targets")
+    labels = [f"{r['scenario'].split()[0]}: {r['metric'][:38]}" for r in rows]
+    colors = ["C2" if r["ok"] else "C3" for r in rows]
+    y = range(len(rows))
+    ax.barh(list(y), [r["ratio"] for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        ax.plot([float(r["target"].split()[-1])] * 2, [i - 0.4, i + 0.4], "k-")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ratio (black line: target; green: met)")
+    ax.set_title("ratios vs targets")

@@ -1,0 +1,63 @@
+"""Every emitted event is catalogued, and `mmserve trace` rebuilds a request's timeline."""
+
+import io
+import json
+import re
+from pathlib import Path
+
+import trio
+
+from mmserve import Runtime
+from mmserve.logs import configure_logging
+from mmserve.models.demo import Q_SHAPE, render_image
+from mmserve.trace import main as trace
+from tests.helpers import ask
+
+CATALOGUE = Path(__file__).resolve().parent.parent / "docs" / "log-events.md"
+
+
+def catalogued() -> set[str]:
+    return set(re.findall(r"^\| `([a-z_]+\.[a-z_]+)`", CATALOGUE.read_text(), re.M))
+
+
+def test_every_event_in_the_source_is_catalogued():
+    src = Path(__file__).resolve().parent.parent / "mmserve"
+    emitted = set()
+    for path in src.rglob("*.py"):
+        emitted |= set(re.findall(r'\blog\.(?:info|debug|warning|error)\(\s*"([a-z_]+\.[a-z_]+)"', path.read_text()))
+    assert emitted and emitted <= catalogued(), sorted(emitted - catalogued())
+
+
+async def test_runtime_events_are_catalogued_and_trace_shows_the_phases(tiny_config):
+    buf = io.StringIO()
+    configure_logging("json", "debug", stream=buf)
+    try:
+        img = render_image("red", "circle", seed=3)
+        async with Runtime.open(tiny_config) as rt:
+            first = ask(img)
+            a = await rt.chat_completion(first, temperature=0, max_tokens=4, min_tokens=4)
+            b = await rt.chat_completion([*first, {"role": "assistant", "content": a.text},
+                                          {"role": "user", "content": Q_SHAPE}], temperature=0, max_tokens=3)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.02)
+    finally:
+        configure_logging("json", "info")
+    lines = buf.getvalue().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert {e["event"] for e in events} <= catalogued()
+    assert all("actor" in e for e in events)
+
+    out = io.StringIO()
+    assert trace(b.id.removeprefix("chatcmpl-"), io.StringIO(buf.getvalue()), as_json=True, out=out) == 0
+    rows = json.loads(out.getvalue())
+    names = [r["event"] for r in rows]
+    order = ["request.received", "intake.prepared", "encoder_cache.hit", "prefix_cache.lookup",
+             "generator.prefill", "generator.step", "generator.finished", "request.finished"]
+    positions = [names.index(n) for n in order]
+    assert positions == sorted(positions), list(zip(names, [r["offset_ms"] for r in rows]))
+    assert names.index("prefix_cache.commit") > names.index("generator.finished")
+    lookup = rows[names.index("prefix_cache.lookup")]["details"]
+    assert lookup["hit_blocks"] > 0 and lookup["slots"]
+    assert rows[names.index("request.finished")]["details"]["cached_tokens"] == b.usage.cached_tokens > 0
+    table = io.StringIO()
+    trace(b.id.removeprefix("chatcmpl-"), io.StringIO(buf.getvalue()), out=table)
+    assert "prefix_cache.lookup" in table.getvalue() and "offset ms" in table.getvalue()
