@@ -36,6 +36,10 @@ class Actor(ABC):
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
 
+    def has_work(self) -> bool:
+        """Whether the actor holds requests or has messages waiting (a hang is only possible then)."""
+        return bool(self.in_flight) or self.inbox.statistics().current_buffer_used > 0
+
     def fail_in_flight(self, error: MMServeError) -> int:
         """Ends every request this actor holds with `error`; returns how many there were."""
         handles = list(self.in_flight.values())

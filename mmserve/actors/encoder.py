@@ -21,6 +21,7 @@ from mmserve.cache.keys import key_prefix
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime.config import EncoderCacheConfig
+from mmserve.runtime.faults import fault
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Encoder(Actor):
                 embeds = tuple(found[id(j), i] for i in range(len(j.prompt.spans)))
                 if j.handle.active:
                     self.generator_inbox.send_nowait(GenerateJob(j.handle, j.prompt, embeds))
+                self.in_flight.pop(j.handle.request_id, None)  # on a crash they stay, for the supervisor
         finally:
             for j in jobs:
                 self._release(j.handle.request_id)
@@ -119,7 +121,7 @@ class Encoder(Actor):
         for start in range(0, len(misses), n):
             chunk = misses[start:start + n]
             pixels = torch.stack([m.pixels for m in chunk])
-            outputs = await trio.to_thread.run_sync(self.adapter.encode_images, pixels)
+            outputs = await trio.to_thread.run_sync(self._forward, pixels, abandon_on_cancel=True)
             self.encoder_runs += 1
             self.items_encoded += len(chunk)
             self.log.info("encoder.batch", items=len(chunk),
@@ -128,6 +130,10 @@ class Encoder(Actor):
                 for j, i in miss.waiters:
                     found[id(j), i] = out
                 self._store(miss, out)
+
+    def _forward(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+        fault("encoder.forward")
+        return self.adapter.encode_images(pixels)
 
     def _store(self, miss: Miss, out: torch.Tensor) -> None:
         if self.cache is None or miss.key is None:
@@ -143,7 +149,6 @@ class Encoder(Actor):
                           bytes=tensor_nbytes(out), reason=result.reason)
 
     def _release(self, request_id: str) -> None:
-        self.in_flight.pop(request_id, None)
         if self.cache is not None:
             self.cache.release_owner(request_id)
 

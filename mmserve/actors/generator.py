@@ -23,6 +23,7 @@ from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, seq
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime.config import GeneratorConfig
+from mmserve.runtime.faults import fault
 from mmserve.runtime.sampling import make_generator, sample
 from mmserve.runtime.stops import TextAssembler
 
@@ -159,7 +160,7 @@ class Generator(Actor):
                     continue
             chunk = min(budget, seq.prompt_len - seq.kv_len)
             t0 = time.monotonic()
-            logits = await trio.to_thread.run_sync(self._prefill_chunk, seq, chunk)
+            logits = await trio.to_thread.run_sync(self._prefill_chunk, seq, chunk, abandon_on_cancel=True)
             budget -= chunk
             self.log.info("generator.prefill", request_id=seq.handle.request_id, tokens=chunk,
                           start=seq.kv_len - chunk, cached_tokens=seq.hit_tokens, done=seq.prefilled,
@@ -179,10 +180,12 @@ class Generator(Actor):
             return
         send, receive = trio.open_memory_channel(1)
         self.prefix_cache.send_nowait(Lookup(seq.handle.request_id, tuple(hashes), send))
-        try:
-            hit: LookupResult = await receive.receive()
-        except trio.EndOfChannel:
-            return
+        hit = LookupResult(0)
+        with trio.move_on_after(self.config.lookup_timeout_s):
+            try:
+                hit = await receive.receive()
+            except trio.EndOfChannel:
+                pass
         if hit.blocks:
             seq.kv, seq.kv_len = hit.kv, hit.blocks * self.block_size
             seq.hit_tokens = seq.kv_len
@@ -215,7 +218,7 @@ class Generator(Actor):
 
     async def _decode_round(self) -> None:
         members = list(self.batch.members)
-        tokens = await trio.to_thread.run_sync(self._decode_step, members)
+        tokens = await trio.to_thread.run_sync(self._decode_step, members, abandon_on_cancel=True)
         self.steps += 1
         self.log.debug("generator.step", batch=len(members), request_ids=[m.handle.request_id for m in members])
         finished = [seq for seq, token in zip(members, tokens) if not self._accept(seq, token)]
@@ -223,6 +226,7 @@ class Generator(Actor):
             self.batch.set_members([m for m in self.batch.members if m not in finished])
 
     def _decode_step(self, members: list[Sequence]) -> list[int]:
+        fault("generator.step")
         logits = self.batch.step()
         return [self._sample(seq, logits[b]) for b, seq in enumerate(members)]
 

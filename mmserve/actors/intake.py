@@ -16,7 +16,8 @@ import trio
 from mmserve.actors.base import Actor
 from mmserve.actors.messages import EncodeJob, RequestHandle, Submit
 from mmserve.cache.keys import image_identity
-from mmserve.errors import BadRequest, MMServeError, ModelNotFound, UnprocessableImage
+from mmserve.runtime.faults import fault
+from mmserve.errors import BadRequest, MMServeError, UnprocessableImage
 from mmserve.models.llava import LlavaAdapter, PromptInputs
 from mmserve.runtime.config import LimitsConfig
 from mmserve.runtime.images import data_url_bytes, open_image
@@ -37,6 +38,8 @@ def hf_messages(request: ChatRequest) -> list[dict]:
 
 def decode_images(request: ChatRequest, limits: LimitsConfig) -> list:
     """Every image of the request, decoded to RGB, in prompt order (runs in a worker thread)."""
+    if request.num_images:
+        fault("image.decode")
     images = []
     for i, m in enumerate(request.messages):
         for j, part in enumerate(p for p in m.parts if isinstance(p, ImagePart)):
@@ -107,12 +110,12 @@ class Intake(Actor):
                      preprocess_s=round(time.monotonic() - t1, 6))
             if handle.active:
                 encoder_inbox.send_nowait(EncodeJob(handle, prompt))
-        except (MMServeError, ModelNotFound) as e:
+        except MMServeError as e:
             log.info("intake.rejected", status=e.status, error=e.message)
             handle.fail(e)
         except ValueError as e:
             log.info("intake.rejected", status=400, error=str(e))
             handle.fail(BadRequest(f"the request could not be prepared: {e}"))
-        finally:
-            self.in_flight.pop(handle.request_id, None)
-            self.progressed()
+        # not in a `finally`: a request caught in a crash stays in in_flight, for the supervisor to fail
+        self.in_flight.pop(handle.request_id, None)
+        self.progressed()

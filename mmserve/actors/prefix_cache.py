@@ -21,6 +21,7 @@ from mmserve.cache.kv_store import KVBlockStore
 from mmserve.errors import MMServeError
 from mmserve.models.llava import ImageSpan, LlavaAdapter
 from mmserve.runtime.config import PrefixCacheConfig
+from mmserve.runtime.faults import afault
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), [1, heads, seq, dim]
 
@@ -99,11 +100,17 @@ class PrefixCacheManager(Actor):
         self._reset()
         async for msg in self.inbox:
             self.progressed()
+            if isinstance(msg, Commit):
+                await afault("prefix.commit")
             self._handle(msg)
+            self.progressed()
 
     def _handle(self, msg) -> None:
         if isinstance(msg, Lookup):
-            self._lookup(msg)
+            try:
+                self._lookup(msg)
+            finally:
+                msg.reply.close()  # a lookup that failed half-way reads as a miss, never a hang
         elif isinstance(msg, Prepare):
             self.log.info("prefix_cache.prepare", request_id=msg.request_id, blocks=len(msg.hashes))
         elif isinstance(msg, Commit):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -75,11 +76,26 @@ def markdown(report: dict) -> str:
         "little. Baselines: raw transformers `generate` (scenarios 1-2), the same runtime with the cache off "
         "(3-5), the cold first request (4), the bare suffix prefill (3). Greedy decoding, fixed lengths "
         "(min_tokens = max_tokens).",
+        *_load_warning(meta),
         "## Summary",
         table(COLUMNS, [_summary_cells(r) for r in report["summary"]]),
     ]
     parts += _details(report["scenarios"])
     return "\n\n".join(parts) + "\n"
+
+
+def _load_warning(meta: dict) -> list[str]:
+    """A note when torch's threads were stalling each other (an oversubscribed CPU)."""
+    n = meta["torch_threads"]
+    worst = 0.0
+    for probe in (meta.get("thread_probe_start"), meta.get("thread_probe_end")):
+        if probe and n > 1 and probe.get("matmul_ms_1_threads"):
+            worst = max(worst, probe[f"matmul_ms_{n}_threads"] / probe["matmul_ms_1_threads"])
+    if worst < 3:
+        return []
+    return [f"**Warning: the CPU was oversubscribed.** A small matmul took up to {worst:.0f}x longer with {n} "
+            "torch threads than with 1 (other processes were busy): every op paid for thread synchronisation, "
+            "so absolute times are inflated and noisy. Prefer ratios, and rerun on a quiet machine."]
 
 
 def _details(sc: dict) -> list[str]:
@@ -115,7 +131,7 @@ def _details(sc: dict) -> list[str]:
 
 def plot(report: dict, path: Path) -> None:
     sc = report["scenarios"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     _plot_decode(axes[0][0], sc.get("decode", {}))
     _plot_concurrency(axes[0][1], sc.get("concurrency", {}))
     _plot_multiturn(axes[1][0], sc.get("multiturn", {}))
@@ -174,13 +190,13 @@ def _plot_targets(ax, rows: list[dict]) -> None:
     rows = [r for r in rows if r["target"] and isinstance(r["ratio"], float) and not math.isnan(r["ratio"])]
     if not rows:
         return _empty(ax, "ratios vs targets")
-    labels = [f"{r['scenario'].split()[0]}: {r['metric'][:38]}" for r in rows]
+    labels = [textwrap.fill(f"{r['scenario'].split()[0]}. {r['metric']}", 34) for r in rows]
     colors = ["C2" if r["ok"] else "C3" for r in rows]
     y = range(len(rows))
     ax.barh(list(y), [r["ratio"] for r in rows], color=colors)
     for i, r in enumerate(rows):
         ax.plot([float(r["target"].split()[-1])] * 2, [i - 0.4, i + 0.4], "k-")
-    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set_yticks(list(y), labels, fontsize=6.5)
     ax.invert_yaxis()
     ax.set_xlabel("ratio (black line: target; green: met)")
     ax.set_title("ratios vs targets")

@@ -5,28 +5,21 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
+import structlog
 import torch
 import transformers
 import trio
 from tqdm import tqdm
 
 from mmserve.bench.context import Bench
+from mmserve.bench.model import ensure_model
 from mmserve.bench.params import BenchParams
 from mmserve.bench.report import write_reports
 from mmserve.bench.scenarios import SCENARIOS
 from mmserve.logs import configure_logging
-
-
-def ensure_model(model_dir: Path, preset: str) -> Path:
-    """The random-weight checkpoint of `preset` in `model_dir`, built there unless already present."""
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists() or not (model_dir / "model.safetensors").exists():
-        from mmserve.models.demo import build_untrained
-
-        build_untrained(preset, model_dir)
-    return model_dir
 
 
 def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None = None,
@@ -34,19 +27,34 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
     """Runs `params.scenarios` and writes report.json / report.md / report.png into `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    configure_logging("json", "warning")  # keep the progress bar readable
-    transformers.utils.logging.set_verbosity_error()
-    torch.set_num_threads(params.torch_threads)
     model_dir = Path(model_dir) if model_dir else ensure_model(out / f"{params.preset}-model", params.preset)
-    meta = _meta(params, model_dir)
-    start = time.perf_counter()
-    with tqdm(total=len(params.scenarios), desc="bench", unit="scenario", disable=not progress) as bar:
-        results = trio.run(_run_scenarios, params, model_dir, out, bar)
-    meta.update(duration_s=time.perf_counter() - start, loadavg_end=_loadavg())
+    with _quiet_process_settings(params.torch_threads):
+        meta = _meta(params, model_dir)
+        start = time.perf_counter()
+        with tqdm(total=len(params.scenarios), desc="bench", unit="scenario", disable=not progress) as bar:
+            results = trio.run(_run_scenarios, params, model_dir, out, bar)
+        meta.update(duration_s=time.perf_counter() - start, loadavg_end=_loadavg(),
+                    thread_probe_end=thread_probe(params.torch_threads))
     summary = [r for res in results.values() for r in res.pop("rows", [])]
     report = {"meta": meta, "summary": summary, "scenarios": results}
     report["paths"] = {k: str(v) for k, v in write_reports(report, out).items()}
     return report
+
+
+@contextmanager
+def _quiet_process_settings(threads: int):
+    """Warnings-only logs (a readable progress bar) and `threads` torch threads while the benchmark
+    runs; the caller's settings come back afterwards."""
+    saved = structlog.get_config(), transformers.logging.get_verbosity(), torch.get_num_threads()
+    configure_logging("json", "warning")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        structlog.configure(**saved[0])
+        transformers.logging.set_verbosity(saved[1])
+        torch.set_num_threads(saved[2])
 
 
 async def _run_scenarios(params: BenchParams, model_dir: Path, out: Path, bar: tqdm) -> dict:
@@ -81,7 +89,26 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def thread_probe(threads: int, repeats: int = 20) -> dict:
+    """Median ms of a small matmul ([40, 512] x [512, 512]) with 1 and with `threads` torch threads.
+    Far apart means the CPU is oversubscribed: torch's threads wait for each other at every op,
+    which inflates every absolute time in the report (the ratios were measured under the same load)."""
+    x, w = torch.randn(40, 512), torch.randn(512, 512)
+    out = {}
+    for n in sorted({1, threads}):
+        torch.set_num_threads(n)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x @ w
+            times.append((time.perf_counter() - t0) * 1000)
+        out[f"matmul_ms_{n}_threads"] = round(sorted(times)[repeats // 2], 3)
+    torch.set_num_threads(threads)
+    return out
+
+
 def _meta(params: BenchParams, model_dir: Path) -> dict:
-    return {"params": params.to_json(), "model_dir": str(model_dir), "torch_threads": torch.get_num_threads(),
+    return {"params": params.to_json(), "model_dir": str(model_dir), "torch_threads": params.torch_threads,
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": _loadavg()}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": _loadavg(),
+            "thread_probe_start": thread_probe(params.torch_threads)}

@@ -59,6 +59,20 @@ async def _poll_health(client, url: str, interval: float, out: list) -> None:
         await trio.sleep(interval)
 
 
+def _health_stats(polls: list[tuple[float, int]]) -> dict:
+    lat = [p[0] * 1000 for p in polls]
+    return {"polls": len(lat), "non_200": sum(p[1] != 200 for p in polls), "p50_ms": percentile(lat, 50),
+            "p99_ms": percentile(lat, 99), "max_ms": max(lat, default=None)}
+
+
+async def _idle_health(client, url: str, interval: float, seconds: float = 1.0) -> dict:
+    """/health latency with nothing else running: what the busy numbers compare with."""
+    polls: list[tuple[float, int]] = []
+    with trio.move_on_after(seconds):
+        await _poll_health(client, url, interval, polls)
+    return _health_stats(polls)
+
+
 async def _level(client, url: str, requests: list, tokens: int, poll: float | None) -> dict:
     """All `requests` at once over HTTP; with `poll`, /health is polled every `poll` s meanwhile."""
     results: list[Timing | None] = [None] * len(requests)
@@ -80,9 +94,7 @@ async def _level(client, url: str, requests: list, tokens: int, poll: float | No
     out = {"concurrency": len(requests), "wall_s": wall, "agg_tps": sum(t.completion_tokens for t in results) / wall,
            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
     if poll:
-        lat = [h[0] * 1000 for h in health]
-        out["health"] = {"polls": len(lat), "non_200": sum(h[1] != 200 for h in health),
-                         "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat, default=None)}
+        out["health"] = _health_stats(health)
     return out
 
 
@@ -105,16 +117,18 @@ async def concurrency(b: Bench) -> dict:
     hf_runs = [b.hf.generate(m, p.sweep_tokens) for m in requests]
     levels = []
     async with b.server(prefix=False, encoder=False) as (client, url):
+        idle = await _idle_health(client, url, p.health_interval_s)
         for n in p.levels:
             b.note(f"{n} concurrent")
             lv = await _level(client, url, requests[:n], p.sweep_tokens, p.health_interval_s if n == top else None)
             lv["hf"] = _hf_sequential(hf_runs[:n])
             lv["ratio_agg_tps"] = ratio(lv["agg_tps"], lv["hf"]["agg_tps"])
             levels.append(lv)
-    return {"new_tokens": p.sweep_tokens, "levels": levels, "health_during": top, "rows": _concurrency_rows(levels)}
+    return {"new_tokens": p.sweep_tokens, "levels": levels, "health_idle": idle, "health_during": top,
+            "rows": _concurrency_rows(levels, idle)}
 
 
-def _concurrency_rows(levels: list[dict]) -> list[dict]:
+def _concurrency_rows(levels: list[dict], idle: dict) -> list[dict]:
     rows = []
     for lv in levels:
         n, hf = lv["concurrency"], lv["hf"]
@@ -126,8 +140,8 @@ def _concurrency_rows(levels: list[dict]) -> list[dict]:
                         ratio(lv["ttft_p99_s"], hf["ttft_p99_s"])))
         if "health" in lv:
             h = lv["health"]
-            rows.append(row("2 concurrency", f"/health p99 @{n} ({h['polls']} polls, max {h['max_ms']:.0f} ms)",
-                            h["p99_ms"], "ms"))
+            rows.append(row("2 concurrency", f"/health p99 @{n} vs idle ({h['polls']} polls, max {h['max_ms']:.0f} ms, "
+                            f"{h['non_200']} not 200)", h["p99_ms"], "ms", idle["p99_ms"], ratio(h["p99_ms"], idle["p99_ms"])))
     return rows
 
 

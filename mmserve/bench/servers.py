@@ -1,5 +1,9 @@
 """The mmserve instances under test: embedded runtimes and HTTP servers (in its own process, as
-deployed, or in the benchmark's own trio run for fast tests)."""
+deployed, or in the benchmark's own trio run for fast tests).
+
+`python -m mmserve.bench.servers CONFIG` serves like `mmserve serve --config CONFIG` (the same
+`serve`, stopped by SIGINT/SIGTERM), logging JSON at the config's level to stderr.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ START_TIMEOUT_S = 180
 
 def bench_config(model_dir: Path, threads: int, prefix: bool = True, encoder: bool = True) -> Config:
     """One model, named `bench`, with the prefix and encoder caches on or off."""
-    return Config(models=(ModelConfig(MODEL, str(model_dir), default=True),)).replace(
+    return Config(models=(ModelConfig(MODEL, str(Path(model_dir).resolve()), default=True),)).replace(
         runtime={"torch_threads": threads}, prefix_cache={"enabled": prefix}, encoder_cache={"enabled": encoder},
         server={"host": "127.0.0.1", "port": 0}, logging={"format": "json", "level": "info"})
 
@@ -76,7 +80,7 @@ async def subprocess_server(config: Config, workdir: Path) -> AsyncIterator[str]
     cfg, log = workdir / f"server-{tag}.toml", workdir / f"server-{tag}.log"
     cfg.write_text(config_toml(config))
     with log.open("w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", "--config", str(cfg)],
+        proc = subprocess.Popen([sys.executable, "-m", "mmserve.bench.servers", str(cfg)],
                                 stdout=subprocess.DEVNULL, stderr=log_file, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         yield await _listening_url(proc, log)
@@ -114,3 +118,29 @@ async def http_server(config: Config, mode: str, workdir: Path) -> AsyncIterator
 
 def open_runtime(config: Config):
     return Runtime.open(config)
+
+
+def main(config_path: str) -> None:
+    from functools import partial
+
+    from mmserve.api.server import serve
+    from mmserve.logs import configure_logging
+    from mmserve.runtime.config import load_config
+
+    config = load_config(config_path)
+    configure_logging(config.logging.format, config.logging.level)
+
+    async def run():
+        shutdown = trio.Event()
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(serve, config, shutdown=shutdown))
+                async for _ in signals:
+                    shutdown.set()
+                    break
+
+    trio.run(run)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

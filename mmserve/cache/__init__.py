@@ -40,6 +40,7 @@ from mmserve.cache.keys import (
     model_sig_from_parts,
     processor_digest,
 )
+from mmserve.cache.kv_store import KVBlockStore, KVSlotInfo, KVStoreStats
 
 __all__ = [
     "ALREADY_PRESENT",
@@ -72,4 +73,7 @@ __all__ = [
     "root_hash",
     "tensor_nbytes",
     "validate_placeholders",
+    "KVBlockStore",
+    "KVSlotInfo",
+    "KVStoreStats",
 ]

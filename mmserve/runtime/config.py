@@ -80,12 +80,14 @@ class PrefixCacheConfig:
 @dataclass(frozen=True)
 class GeneratorConfig:
     prefill_chunk_tokens: int = 512
+    lookup_timeout_s: float = 2.0  # a prefix-cache look-up slower than this is treated as a miss
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
     restart_backoff_s: float = 0.1
     max_restart_backoff_s: float = 5.0
+    stall_timeout_s: float = 30.0  # an actor with work pending and no progress this long is hung
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,15 @@ class ActorState:
     last_error: str | None = None
     died_at: float | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    run_scope: trio.CancelScope | None = None
+    stalled: bool = False
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message` of the root cause (nurseries wrap a task's exception in groups)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,21 @@ class Supervisor:
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+        nursery.start_soon(self._watch)
+
+    async def _watch(self) -> None:
+        """Declares hung every actor that has work pending but made no progress for stall_timeout_s."""
+        limit = self.config.stall_timeout_s
+        while True:
+            await trio.sleep(min(0.1, limit / 4))
+            now = time.monotonic()
+            for state in list(self.states.values()):
+                actor = state.actor
+                if state.alive and state.run_scope is not None and actor.has_work() \
+                        and now - actor.last_progress > limit:
+                    state.stalled = True
+                    state.alive = False
+                    state.run_scope.cancel()
 
     def start(self, actor: Actor, key: str) -> None:
         """Starts supervising `actor` under the name `key` (e.g. `generator[demo]`)."""
@@ -71,24 +95,32 @@ class Supervisor:
     async def _run_with_restarts(self, state: ActorState) -> None:
         backoff = self.config.restart_backoff_s
         while True:
-            state.alive = True
+            state.alive, state.stalled = True, False
+            state.actor.progressed()
             try:
-                await state.actor.run()
-                state.alive = False
-                return
+                with trio.CancelScope() as state.run_scope:
+                    await state.actor.run()
+                if not state.stalled:
+                    state.alive = False
+                    return
+                self._contain(state, f"stalled: no progress for {self.config.stall_timeout_s}s with work pending")
             except Exception as exc:  # an actor bug or a model failure: contain it, restart
-                state.alive = False
-                state.restarts += 1
-                state.died_at = time.monotonic()
-                state.last_error = f"{type(exc).__name__}: {exc}"
-                failed = state.actor.fail_in_flight(ServiceUnavailable(
-                    f"{state.key} failed while handling this request ({state.last_error}); "
-                    "it is being restarted, retry shortly"))
-                self.log.error("supervisor.actor_died", target=state.key, error=state.last_error,
-                               failed_requests=failed, restarts=state.restarts, exc_info=exc)
+                self._contain(state, _describe(exc), exc)
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self.config.max_restart_backoff_s)
             self.log.info("supervisor.actor_restarted", target=state.key, restarts=state.restarts)
+
+    def _contain(self, state: ActorState, error: str, exc: BaseException | None = None) -> None:
+        """Marks the actor down and fails every request it held, at once, with a clear 503."""
+        state.alive = False
+        state.run_scope = None
+        state.restarts += 1
+        state.died_at = time.monotonic()
+        state.last_error = error
+        failed = state.actor.fail_in_flight(ServiceUnavailable(
+            f"{state.key} failed while handling this request ({error}); it is being restarted, retry shortly"))
+        self.log.error("supervisor.actor_died", target=state.key, error=error, failed_requests=failed,
+                       restarts=state.restarts, exc_info=exc)
 
     def health(self) -> Health:
         actors = {k: s.alive for k, s in self.states.items()}

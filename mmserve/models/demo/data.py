@@ -38,6 +38,8 @@ EVAL_SEED_BASE = 1 << 30
 
 SINGLE_QUESTIONS = (render.Q_COLOR, render.Q_BACKGROUND, render.Q_SHAPE)
 PAIR_QUESTIONS = (render.Q_FIRST, render.Q_SECOND)
+TRAIN_TASKS = ("color", "background", "shape", "first", "second")
+TASK_OF_QUESTION = {q: i for i, q in enumerate((*SINGLE_QUESTIONS, *PAIR_QUESTIONS))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,10 +154,10 @@ def conversation(
 class TaskMix:
     """Sampling weights of the training conversations."""
 
-    p_pair: float = 0.35  # batches with two images per example
-    single_final: tuple[float, float, float] = (0.25, 0.25, 0.5)  # color, background, shape
-    history_len: tuple[float, ...] = (0.55, 0.3, 0.15)  # 0, 1, 2 earlier turns
-    p_system: float = 0.3
+    p_pair: float = 0.4  # examples with two images
+    single_final: tuple[float, float, float] = (0.3, 0.25, 0.45)  # color, background, shape
+    history_len: tuple[float, ...] = (0.6, 0.28, 0.12)  # 0, 1, 2 earlier turns
+    p_system: float = 0.2
     p_text_first: float = 0.15
 
 
@@ -242,12 +244,13 @@ class BatchSampler:
         specs = [self.bank.specs[int(j)] for j in idx]
         key = sample_dialogue(rng, n_images, self.mix)
         ids, labels = self.enc.encode(key, specs)
-        return ids, labels, idx
+        return ids, labels, idx, TASK_OF_QUESTION[key[0]]
 
     def _make(self, examples) -> dict[str, torch.Tensor]:
-        out = collate([(ids, lab) for ids, lab, _ in examples], self.enc.pad_id)
-        idx = np.concatenate([im for _, _, im in examples])
+        out = collate([(ids, lab) for ids, lab, _, _ in examples], self.enc.pad_id)
+        idx = np.concatenate([im for _, _, im, _ in examples])
         out["pixel_values"] = self.normalized[torch.from_numpy(idx)]
+        out["task"] = torch.tensor([t for _, _, _, t in examples])
         return out
 
     def batch(self, batch_size: int) -> dict[str, torch.Tensor]:

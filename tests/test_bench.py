@@ -1,0 +1,65 @@
+"""`mmserve bench`: the whole machinery on the tiny preset with the `test` parameter set (seconds)."""
+
+from __future__ import annotations
+
+import json
+
+from mmserve.bench import PARAMS, run_bench
+from mmserve.bench.model import MARKER, ensure_model
+from mmserve.bench.params import ALL_SCENARIOS
+from mmserve.bench.servers import bench_config, config_toml
+from mmserve.cli import build_parser
+from mmserve.runtime.config import load_config
+
+
+def test_bench_writes_reports_with_expected_keys(tmp_path):
+    params = PARAMS["test"]
+    report = run_bench(tmp_path, params, progress=False)  # builds the tiny model into tmp_path/tiny-model
+
+    assert (tmp_path / "tiny-model" / MARKER).exists()
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data) >= {"meta", "summary", "scenarios"}
+    assert data["meta"]["params"]["name"] == "test" and data["meta"]["torch_threads"] == params.torch_threads
+    sc = data["scenarios"]
+    assert list(sc) == list(ALL_SCENARIOS)
+    assert {name: r["status"] for name, r in sc.items()} == {**{n: "ok" for n in ALL_SCENARIOS}, "peer": "skipped"}
+
+    assert set(sc["decode"]["decode_tps"]) == {"embedded", "http", "hf"}
+    assert all(r["completion_tokens"] == params.decode_tokens for runs in sc["decode"]["runs"].values() for r in runs)
+    levels = sc["concurrency"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == list(params.levels)
+    assert {"agg_tps", "ttft_p50_s", "ttft_p99_s", "hf", "ratio_agg_tps"} <= set(levels[0])
+    assert levels[-1]["health"]["polls"] >= 1 and levels[-1]["health"]["non_200"] == 0
+    turns = sc["multiturn"]["turns"]
+    assert len(turns) == params.turns
+    assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] > 0 for t in turns[1:])
+    assert {"ratio_on_off", "ratio_hit_vs_suffix_prefill", "prefill_suffix_s"} <= set(turns[-1])
+    assert set(sc["same_image"]["summary"]) == {"encoder_cache_on", "encoder_cache_off"}
+    assert all(sc["three_images"]["outputs_equal"]) and sc["three_images"]["no_cross_image_hits"]
+    assert sc["peer"]["reason"]
+
+    metrics = {(r["scenario"], r["metric"]) for r in data["summary"]}
+    assert any(s == "3 multi-turn" and "on / off" in m for s, m in metrics)
+    assert report["paths"]["md"] == str(tmp_path / "report.md")
+    md = (tmp_path / "report.md").read_text()
+    assert "| scenario | metric | mmserve | baseline | ratio | target | ok |" in md
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_model_is_reused(tmp_path):
+    path = ensure_model(tmp_path / "m", "tiny")
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model(tmp_path / "m", "tiny") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_server_config_round_trips_through_toml(tmp_path):
+    config = bench_config(tmp_path, threads=2, prefix=False, encoder=True)
+    (tmp_path / "c.toml").write_text(config_toml(config))
+    assert load_config(tmp_path / "c.toml") == config
+
+
+def test_cli_bench_arguments():
+    args = build_parser().parse_args(["bench", "--quick"])
+    assert args.quick and args.out == "bench-out" and args.model_dir is None
+    assert args.func.__name__ == "_bench"

@@ -1,0 +1,112 @@
+"""Supervision under injected faults (DESIGN.md F4): a dead or hung actor turns /health 503,
+fails its in-flight requests at once with a clear error, leaves caches consistent, restarts."""
+
+import time
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from mmserve import Runtime
+from mmserve.errors import ServiceUnavailable
+from mmserve.models.demo import render_image
+from mmserve.runtime import faults
+from tests.helpers import ServerThread, ask, colour_question
+
+LONG = dict(temperature=0, max_tokens=200, min_tokens=200)
+
+
+@pytest.fixture(autouse=True)
+def no_faults_after():
+    yield
+    faults.configure(None)
+
+
+def cfg(tiny_config, stall=0.5):
+    return tiny_config.replace(supervisor={"stall_timeout_s": stall, "restart_backoff_s": 0.05})
+
+
+async def wait_healthy(rt, timeout=5):
+    with trio.fail_after(timeout):
+        while not rt.health().ok:
+            await trio.sleep(0.01)
+
+
+async def assert_consistent(rt):
+    await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+    model = rt.registry.require("tiny")
+    assert not model.generator.running and not model.generator.in_flight
+    assert model.encoder.stats()["pinned_entries"] == 0
+    model.prefix_cache.store.check_invariants()
+    assert not model.prefix_cache.store.owners()
+    c = await rt.chat_completion(colour_question("red"), temperature=0, max_tokens=3)
+    assert c.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("spec, actor", [
+    ("generator.step=raise@3", "generator[tiny]"),
+    ("encoder.forward=raise@1", "encoder[tiny]"),
+    ("image.decode=raise@1", "intake"),
+])
+async def test_a_dying_actor_fails_its_requests_and_restarts(tiny_config, spec, actor):
+    async with Runtime.open(cfg(tiny_config)) as rt:
+        faults.configure(spec)
+        with pytest.raises(ServiceUnavailable, match="injected fault"):
+            await rt.chat_completion(ask(render_image("red", "circle", seed=1)), **LONG)
+        await wait_healthy(rt)
+        assert rt.supervisor.states[actor].restarts == 1
+        await assert_consistent(rt)
+
+
+async def test_a_failed_commit_resets_the_prefix_cache_and_nothing_breaks(tiny_config):
+    async with Runtime.open(cfg(tiny_config)) as rt:
+        faults.configure("prefix.commit=raise@1")
+        img = render_image("blue", "square", seed=2)
+        a = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
+        await wait_healthy(rt)
+        b = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
+        assert a.text == b.text and b.usage.cached_tokens == 0  # the store was rebuilt empty
+        assert rt.supervisor.states["prefix_cache[tiny]"].restarts == 1
+        await assert_consistent(rt)
+
+
+async def test_a_hung_generator_is_detected_and_restarted(tiny_config, monkeypatch):
+    monkeypatch.setenv("MMSERVE_FAULT_HANG_S", "3")
+    async with Runtime.open(cfg(tiny_config, stall=0.5)) as rt:
+        faults.configure("generator.step=hang@2")
+        t0 = time.monotonic()
+        with pytest.raises(ServiceUnavailable, match="stalled"):
+            await rt.chat_completion(ask(render_image("green", "circle", seed=3)), **LONG)
+        assert time.monotonic() - t0 < 0.5 + 1.0
+        assert "stalled" in (rt.supervisor.states["generator[tiny]"].last_error or "")
+        await wait_healthy(rt)
+        await assert_consistent(rt)
+
+
+def test_http_health_and_sse_error_on_a_crash(tiny_config):
+    with ServerThread(cfg(tiny_config, stall=0.5)) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        faults.configure("generator.step=hang@5")
+        import os
+        os.environ["MMSERVE_FAULT_HANG_S"] = "3"
+        try:
+            saw_503, lines = False, []
+            with c.stream("POST", "/v1/chat/completions", json={
+                    "messages": colour_question("red"), "stream": True, **LONG}) as resp:
+                for line in resp.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if not saw_503:
+                        t = time.perf_counter()
+                        h = c.get("/health")
+                        assert time.perf_counter() - t < 0.1
+                        saw_503 = h.status_code == 503
+            assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2] and "stalled" in lines[-2]
+            deadline = time.monotonic() + 5
+            while c.get("/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            ok = c.post("/v1/chat/completions", json={"messages": colour_question("red"), "max_tokens": 2})
+            assert ok.status_code == 200
+        finally:
+            os.environ.pop("MMSERVE_FAULT_HANG_S", None)
