@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 
@@ -26,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown = trio.Event()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve, config, shutdown=shutdown)
+                nursery.start_soon(functools.partial(serve, config, shutdown=shutdown))
                 async for _ in signals:
                     shutdown.set()
                     break
