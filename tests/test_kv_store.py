@@ -604,7 +604,7 @@ class KVStoreMachine(RuleBasedStateMachine):
             self.store.check_invariants()
 
 
-KVStoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+KVStoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestKVStoreAgainstReference = KVStoreMachine.TestCase
 
 
@@ -753,5 +753,5 @@ def test_state_machine_catches_mutant(mutant):
                    {"store_cls": mutant, "internal_checks": False})
     with pytest.raises(Exception):
         run_state_machine_as_test(machine, settings=settings(
-            max_examples=150, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+            max_examples=100, stateful_step_count=40, deadline=None, derandomize=True, database=None,
             phases=[Phase.generate], report_multiple_bugs=False, print_blob=False))

@@ -102,28 +102,28 @@ class PrefixCacheManager(Actor):
             self.progressed()
             if isinstance(msg, Commit):
                 await afault("prefix.commit")
-            self._handle(msg)
+            await self._handle(msg)
             self.progressed()
 
-    def _handle(self, msg) -> None:
+    async def _handle(self, msg) -> None:
         if isinstance(msg, Lookup):
             try:
-                self._lookup(msg)
+                await self._lookup(msg)
             finally:
                 msg.reply.close()  # a lookup that failed half-way reads as a miss, never a hang
         elif isinstance(msg, Prepare):
             self.log.info("prefix_cache.prepare", request_id=msg.request_id, blocks=len(msg.hashes))
         elif isinstance(msg, Commit):
-            self._commit(msg)
+            await self._commit(msg)
         elif isinstance(msg, Abort):
             self.store.abort(msg.request_id)
             self.log.info("prefix_cache.abort", request_id=msg.request_id)
         else:
             raise TypeError(f"prefix cache: unexpected message {msg!r}")
 
-    def _lookup(self, msg: Lookup) -> None:
+    async def _lookup(self, msg: Lookup) -> None:
         slots = self.store.lookup(msg.hashes, msg.request_id) if self.num_slots else []
-        kv = self._gather(slots) if slots else None
+        kv = await trio.to_thread.run_sync(self._gather, slots) if slots else None
         self.log.info("prefix_cache.lookup", request_id=msg.request_id, queried_blocks=len(msg.hashes),
                       hit_blocks=len(slots), hit_tokens=len(slots) * self.block_size, slots=slots,
                       first_hash=key_prefix(msg.hashes[0]) if msg.hashes else None)
@@ -141,19 +141,25 @@ class PrefixCacheManager(Actor):
             out.append((_join_blocks(k), _join_blocks(v)))
         return tuple(out)
 
-    def _commit(self, msg: Commit) -> None:
+    async def _commit(self, msg: Commit) -> None:
         placed = self.store.commit(msg.hashes, msg.request_id) if self.num_slots else []
-        b = self.block_size
         for i, slot, evicted in placed:
             if evicted is not None:
                 self.log.info("prefix_cache.stale_entry_dropped", request_id=msg.request_id, slot=slot,
                               hash=key_prefix(evicted))
-            for layer, (k, v) in enumerate(msg.kv):
-                self.keys[layer, slot] = k[0, :, i * b:(i + 1) * b]
-                self.values[layer, slot] = v[0, :, i * b:(i + 1) * b]
+        if placed:
+            await trio.to_thread.run_sync(self._write, msg.kv, placed)
         self.store.release(msg.request_id)
         self.log.info("prefix_cache.commit", request_id=msg.request_id, blocks=len(msg.hashes),
                       new_blocks=len(placed), slots=[s for _, s, _ in placed])
+
+    def _write(self, kv: KV, placed: list[tuple[int, int, bytes | None]]) -> None:
+        """Copies block i of the sequence's KV into its slot, for each placed block (worker thread)."""
+        b = self.block_size
+        for i, slot, _ in placed:
+            for layer, (k, v) in enumerate(kv):
+                self.keys[layer, slot] = k[0, :, i * b:(i + 1) * b]
+                self.values[layer, slot] = v[0, :, i * b:(i + 1) * b]
 
     def fail_in_flight(self, error: MMServeError) -> int:
         failed = super().fail_in_flight(error)
