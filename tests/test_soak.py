@@ -1,0 +1,98 @@
+"""Soak: mixed traffic — multi-turn, several images, both demo models, random disconnects,
+injected crashes, tiny cache budgets. Every request ends (answer or clean error) within its
+deadline, answers equal the no-cache baseline, nothing leaks. A short version runs in CI; the
+long one is marked slow (`pytest -m slow tests/test_soak.py`)."""
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from mmserve import Runtime
+from mmserve.errors import ServiceUnavailable
+from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_SHAPE, SHAPES, render_image
+from mmserve.runtime import faults
+from tests.helpers import ask
+
+IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[(i // 3) % 3], seed=700 + i) for i in range(8)]
+FAULTS = ["generator.step=raise@7", "encoder.forward=raise@2", "prefix.commit=raise@3", "image.decode=raise@4"]
+
+
+def workload(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        img = rng.randrange(len(IMAGES))
+        msgs = ask(IMAGES[img], rng.choice([Q_COLOR, Q_SHAPE, Q_BACKGROUND]))
+        if rng.random() < 0.4:
+            msgs = [*msgs, {"role": "assistant", "content": COLORS[img % 6]}, {"role": "user", "content": rng.choice([Q_SHAPE, Q_BACKGROUND])}]
+        out.append((i, rng.choice(["demo", "demo-wide"]), msgs, rng.random() < 0.15))
+    return out
+
+
+async def soak(demo_config, n, seed=0):
+    requests = workload(n, seed)
+    baseline = {}
+    off = demo_config.replace(prefix_cache={"enabled": False}, encoder_cache={"enabled": False})
+    async with Runtime.open(off) as rt:
+        for i, model, msgs, _ in requests:
+            baseline[i] = (await rt.chat_completion(msgs, model=model, temperature=0, max_tokens=6)).text
+
+    on = demo_config.replace(prefix_cache={"block_size": 8, "budget_bytes": 40_000},
+                             encoder_cache={"max_entries": 3},
+                             supervisor={"restart_backoff_s": 0.02, "stall_timeout_s": 5.0})
+    results = {"ok": 0, "mismatch": [], "failed": 0, "disconnected": 0, "faults": 0}
+    rng = random.Random(seed + 1)
+    async with Runtime.open(on) as rt:
+        limiter = trio.CapacityLimiter(6)
+
+        async def one(i, model, msgs, disconnect):
+            async with limiter:
+                if rng.random() < 0.05:
+                    faults.configure(rng.choice(FAULTS))
+                    results["faults"] += 1
+                with trio.fail_after(30):  # the per-request deadline
+                    try:
+                        if disconnect:
+                            async with rt.chat(msgs, model=model, temperature=0, max_tokens=6, min_tokens=6) as s:
+                                await s.__anext__()
+                            results["disconnected"] += 1
+                            return
+                        text = (await rt.chat_completion(msgs, model=model, temperature=0, max_tokens=6)).text
+                    except ServiceUnavailable:
+                        results["failed"] += 1
+                        return
+                if text == baseline[i]:
+                    results["ok"] += 1
+                else:
+                    results["mismatch"].append((i, model, text, baseline[i]))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for req in requests:
+                    nursery.start_soon(one, *req)
+        finally:
+            faults.configure(None)
+        with trio.fail_after(10):
+            while not rt.health().ok:
+                await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        for name, model in rt.registry.loaded.items():
+            assert not model.generator.running and not model.generator.in_flight, name
+            assert model.encoder.stats()["pinned_entries"] == 0, name
+            model.prefix_cache.store.check_invariants()
+            assert not model.prefix_cache.store.owners(), name
+    print("soak:", {k: (len(v) if isinstance(v, list) else v) for k, v in results.items()})
+    assert not results["mismatch"], results["mismatch"][:5]
+    assert results["ok"] > n // 2
+    return results
+
+
+async def test_soak_short(demo_config):
+    await soak(demo_config, 48)
+
+
+@pytest.mark.slow
+async def test_soak_long(demo_config):
+    await soak(demo_config, 600, seed=7)
