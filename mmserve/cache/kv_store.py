@@ -313,18 +313,16 @@ class KVBlockStore:
         is taken off and merged back, so the common case costs little more than an append.
         """
         stamp = self._last_use.__getitem__
-        slots.sort(key=stamp)
-        oldest = stamp(slots[0])
-        younger: list[int] = []
-        while self._lru:
-            last = next(reversed(self._lru))
+        oldest = min(map(stamp, slots))
+        lru = self._lru
+        while lru:
+            last, _ = lru.popitem(last=True)
             if stamp(last) < oldest:
+                lru[last] = None  # put back: it and everything before it are older
                 break
-            self._lru.popitem(last=True)
-            younger.append(last)
-        younger.reverse()
-        for slot in heapq.merge(slots, younger, key=stamp):
-            self._lru[slot] = None
+            slots.append(last)
+        slots.sort(key=stamp)
+        lru.update(dict.fromkeys(slots))
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
