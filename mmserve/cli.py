@@ -9,6 +9,7 @@ import sys
 
 import trio
 
+from mmserve.errors import MMServeError
 from mmserve.logs import configure_logging
 
 
@@ -32,8 +33,14 @@ def _serve(args: argparse.Namespace) -> int:
                     shutdown.set()
                     break
 
-    trio.run(main)
-    return 0
+    failures: list[MMServeError] = []
+    try:
+        trio.run(main)
+    except* MMServeError as group:
+        failures.extend(group.exceptions)
+    for err in failures:
+        print(f"mmserve serve: {err.message}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def _train_demo(args: argparse.Namespace) -> int:

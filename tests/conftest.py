@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from mmserve.logs import configure_logging
@@ -20,12 +23,19 @@ def tiny_config(tiny_model_dir) -> Config:
     return Config(models=(ModelConfig("tiny", str(tiny_model_dir), default=True),))
 
 
+def _demo_dir(name: str) -> str:
+    """The committed checkpoint, or (to try a retrained one before committing it) the directory
+    `$MMSERVE_TEST_DEMO_ROOT/<name>`."""
+    root = os.environ.get("MMSERVE_TEST_DEMO_ROOT")
+    return str(Path(root) / name) if root else str(checkpoint_dir(name))
+
+
 @pytest.fixture(scope="session")
 def demo_config() -> Config:
     """Both trained demo models, `demo` the default."""
     return Config(models=(
-        ModelConfig("demo", str(checkpoint_dir("demo")), default=True),
-        ModelConfig("demo-wide", str(checkpoint_dir("demo-wide"))),
+        ModelConfig("demo", _demo_dir("demo"), default=True),
+        ModelConfig("demo-wide", _demo_dir("demo-wide")),
     ))
 
 

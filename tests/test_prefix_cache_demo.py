@@ -6,7 +6,7 @@ import trio
 import trio.testing
 
 from mmserve import Runtime
-from mmserve.models.demo import Q_BACKGROUND, Q_COLOR, Q_SHAPE, render_image
+from mmserve.models.demo import Q_BACKGROUND, render_image
 from tests.helpers import ask
 
 
@@ -28,8 +28,8 @@ async def test_f2_different_images_same_text_never_collide(demo_config):
             assert answer == color
             assert cached == 0  # the first block already holds this image's placeholders
         red = ask(images["red"])
-        answer, cached = await complete(rt, follow_up(red, "red", Q_SHAPE))
-        assert answer == "circle" and cached > 0
+        answer, cached = await complete(rt, follow_up(red, "red", Q_BACKGROUND))
+        assert answer == "white" and cached > 0
 
 
 async def test_f3_abort_and_slot_reuse_never_corrupt(demo_config):
@@ -54,9 +54,9 @@ async def test_f3_abort_and_slot_reuse_never_corrupt(demo_config):
         short = ask(img_a, Q_BACKGROUND)                                     # A's prefix is gone: a clean miss
         assert await complete(rt, short) == ("black", 0)
         await complete(rt, a)                                               # re-cache A
-        longer = follow_up(a, "purple", Q_SHAPE)
+        longer = follow_up(a, "purple", Q_BACKGROUND)
         answer, cached = await complete(rt, longer)
-        assert answer == "square" and cached > 0
+        assert answer == "black" and cached > 0
         await trio.testing.wait_all_tasks_blocked(cushion=0.02)
         pc.store.check_invariants()
         assert not pc.store.owners()
