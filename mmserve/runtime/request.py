@@ -201,7 +201,7 @@ def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object with 'role' and 'content'", param=where)
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             extra = " (tool calls are not supported)" if role in ("tool", "function") else ""
             raise BadRequest(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}{extra}", param=f"{where}.role")
         if m.get("tool_calls") or m.get("function_call"):

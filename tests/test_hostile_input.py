@@ -1,0 +1,129 @@
+"""A corpus of malformed requests over HTTP — each a clean OpenAI-style 4xx, the server unaffected —
+and a fuzz test of request parsing."""
+
+import base64
+import io
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from mmserve.errors import MMServeError
+from mmserve.runtime.config import LimitsConfig
+from mmserve.runtime.request import parse_chat_request
+from tests.helpers import ServerThread, colour_question, data_url
+
+OK_IMG = data_url(Image.new("RGB", (16, 16), "red"))
+PNG = io.BytesIO()
+Image.new("RGB", (16, 16), "red").save(PNG, "PNG")
+
+
+def img(url):
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "?"}]}]}
+
+
+def msgs(*m):
+    return {"messages": list(m)}
+
+
+U = {"role": "user", "content": "hi"}
+B64 = lambda data, mime="image/png": f"data:{mime};base64," + base64.b64encode(data).decode()  # noqa: E731
+
+CORPUS = [
+    # (name, raw body or json, status, error type)
+    ("empty body", b"", 400), ("not json", b"hello", 400), ("truncated json", b'{"messages": [', 400),
+    ("json null", b"null", 400), ("json number", b"42", 400), ("json string", b'"x"', 400),
+    ("json list", b"[]", 400), ("invalid utf8", b'{"messages": "\xff"}', 400), ("bom junk", b"\xef\xbb\xbf\xff{}", 400),
+    ("no messages", {}, 400), ("messages null", {"messages": None}, 400), ("messages object", {"messages": {}}, 400),
+    ("messages empty", {"messages": []}, 400), ("message not object", msgs("hi"), 400),
+    ("message no role", msgs({"content": "x"}), 400), ("role number", msgs({"role": 1, "content": "x"}), 400),
+    ("role unknown", msgs({"role": "wizard", "content": "x"}), 400), ("role tool", msgs({"role": "tool", "content": "x"}), 400),
+    ("content number", msgs({"role": "user", "content": 5}), 400), ("content null", msgs({"role": "user", "content": None}), 400),
+    ("content empty list", msgs({"role": "user", "content": []}), 400),
+    ("part not object", msgs({"role": "user", "content": ["x"]}), 400),
+    ("part no type", msgs({"role": "user", "content": [{"text": "x"}]}), 400),
+    ("part unknown type", msgs({"role": "user", "content": [{"type": "video_url"}]}), 400),
+    ("part audio", msgs({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}), 400),
+    ("text part no text", msgs({"role": "user", "content": [{"type": "text"}]}), 400),
+    ("text part number", msgs({"role": "user", "content": [{"type": "text", "text": 3}]}), 400),
+    ("image_url missing", msgs({"role": "user", "content": [{"type": "image_url"}]}), 400),
+    ("image_url number", msgs({"role": "user", "content": [{"type": "image_url", "image_url": 7}]}), 400),
+    ("image url empty", img(""), 400), ("image url http", img("http://example.com/a.png"), 400),
+    ("image url file", img("file:///etc/passwd"), 400), ("image url ftp", img("ftp://x/y"), 400),
+    ("data url no base64", img("data:image/png,abc"), 422), ("data url bad base64", img("data:image/png;base64,***"), 422),
+    ("data url not image", img(B64(b"just text")), 422), ("data url truncated png", img(B64(PNG.getvalue()[:30])), 422),
+    ("data url zero bytes", img("data:image/png;base64,"), 422),
+    ("gif refused", img(data_url(Image.new("RGB", (4, 4)), "GIF")), 422),
+    ("bmp refused", img(data_url(Image.new("RGB", (4, 4)), "BMP")), 422),
+    ("image in assistant", msgs({"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": OK_IMG}}]}, U), 400),
+    ("too many images", msgs({"role": "user", "content": [{"type": "image_url", "image_url": {"url": OK_IMG}}] * 9}), 400),
+    ("last is assistant", msgs(U, {"role": "assistant", "content": "x"}), 400),
+    ("tool calls", msgs({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, U), 400),
+    ("unknown model", {**msgs(U), "model": "gpt-7"}, 404), ("model number", {**msgs(U), "model": 12}, 400),
+    ("model empty", {**msgs(U), "model": ""}, 400),
+    ("temperature negative", {**msgs(U), "temperature": -0.1}, 400), ("temperature huge", {**msgs(U), "temperature": 1e9}, 400),
+    ("temperature string", {**msgs(U), "temperature": "0"}, 400), ("temperature bool", {**msgs(U), "temperature": True}, 400),
+    ("top_p zero-ish negative", {**msgs(U), "top_p": -1}, 400), ("top_p two", {**msgs(U), "top_p": 2}, 400),
+    ("top_k negative", {**msgs(U), "top_k": -5}, 400), ("max_tokens zero", {**msgs(U), "max_tokens": 0}, 400),
+    ("max_tokens negative", {**msgs(U), "max_tokens": -3}, 400), ("max_tokens absurd", {**msgs(U), "max_tokens": 10**12}, 400),
+    ("max_tokens float", {**msgs(U), "max_tokens": 2.5}, 400), ("max_completion string", {**msgs(U), "max_completion_tokens": "9"}, 400),
+    ("min_tokens negative", {**msgs(U), "min_tokens": -1}, 400), ("seed float", {**msgs(U), "seed": 1.5}, 400),
+    ("seed huge", {**msgs(U), "seed": 2**80}, 400), ("stop number", {**msgs(U), "stop": 3}, 400),
+    ("stop empty string", {**msgs(U), "stop": ""}, 400), ("stop too many", {**msgs(U), "stop": list("abcde")}, 400),
+    ("stream string", {**msgs(U), "stream": "true"}, 400), ("stream_options without stream", {**msgs(U), "stream_options": {"include_usage": True}}, 400),
+    ("stream_options bad", {**msgs(U), "stream": True, "stream_options": {"include_usage": "yes"}}, 400),
+    ("n two", {**msgs(U), "n": 2}, 400), ("n zero", {**msgs(U), "n": 0}, 400), ("logprobs", {**msgs(U), "logprobs": True}, 400),
+    ("tools", {**msgs(U), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("response_format json", {**msgs(U), "response_format": {"type": "json_object"}}, 400),
+    ("presence penalty", {**msgs(U), "presence_penalty": 1.0}, 400), ("frequency penalty absurd", {**msgs(U), "frequency_penalty": 99}, 400),
+    ("logit bias", {**msgs(U), "logit_bias": {"5": 10}}, 400), ("unknown field", {**msgs(U), "temprature": 0.5}, 400),
+    ("cache_salt number", {**msgs(U), "cache_salt": 5}, 400), ("cache_salt empty", {**msgs(U), "cache_salt": ""}, 400),
+    ("too many messages", {"messages": [U] * 300}, 400),
+    ("prompt too long", msgs({"role": "user", "content": "word " * 20000}), 400),
+]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_config):
+    config = tiny_config.replace(limits={"max_prompt_tokens": 2048})
+    with ServerThread(config) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def test_corpus_is_large_enough():
+    assert len(CORPUS) >= 60
+
+
+@pytest.mark.parametrize("name, body, status", CORPUS, ids=[c[0] for c in CORPUS])
+def test_malformed_request(client, name, body, status):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    resp = client.post("/v1/chat/completions", **kw)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["type"] in ("invalid_request_error", "not_found_error") and err["message"]
+    ok = client.post("/v1/chat/completions", json={"messages": colour_question("red"), "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=12)
+KEYS = st.sampled_from(["model", "messages", "temperature", "top_p", "max_tokens", "stop", "stream", "seed",
+                        "stream_options", "n", "top_k", "cache_salt", "tools"])
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | JSON},
+                                optional={"content": JSON | st.lists(st.fixed_dictionaries(
+                                    {"type": st.sampled_from(["text", "image_url", "x"]) | JSON},
+                                    optional={"text": JSON, "image_url": JSON}), max_size=3)})
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(KEYS, JSON, max_size=5) | st.fixed_dictionaries(
+    {"messages": st.lists(MESSAGE, max_size=3)}, optional={k: JSON for k in ["temperature", "stop", "max_tokens", "seed"]}))
+def test_parsing_never_fails_with_anything_but_a_typed_error(body):
+    try:
+        parse_chat_request(body, LimitsConfig(), "demo")
+    except MMServeError as e:
+        assert 400 <= e.status < 500 and e.message
