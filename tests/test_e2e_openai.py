@@ -107,3 +107,15 @@ def test_errors_through_the_official_client(client):
         client.chat.completions.create(model="demo", messages=colour_question("red"), n=2)
     assert info.value.body["code"] == "unsupported_parameter"
     assert [m.id for m in client.models.list()] == ["demo", "demo-wide"]
+
+
+def test_health_stays_fast_while_a_12_megapixel_png_is_decoded(demo_server):
+    big = render_image("blue", "circle", background="white", seed=4).resize((4000, 3000))
+    body = {"model": "demo", "messages": ask(big), "temperature": 0, "max_tokens": 4}
+    with HealthProbe(demo_server.url) as probe, httpx.Client(timeout=120) as c:
+        for _ in range(2):
+            r = c.post(demo_server.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200 and "blue" in r.json()["choices"][0]["message"]["content"]
+    lat = sorted(lat for _, lat in probe.samples)
+    assert len(lat) >= 10 and all(status == 200 for status, _ in probe.samples)
+    assert lat[int(0.99 * (len(lat) - 1))] < 0.05, lat[-5:]
