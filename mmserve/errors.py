@@ -52,6 +52,12 @@ class Unauthorized(MMServeError):
     code = "invalid_api_key"
 
 
+class Forbidden(MMServeError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class ModelNotFound(MMServeError):
     status = 404
     type = "invalid_request_error"

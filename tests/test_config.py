@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_repo_config_parses_and_matches_defaults():
     cfg = load_config(ROOT / "config.toml")
     defaults = Config()
-    for section in ("server", "runtime", "limits", "encoder_cache", "prefix_cache", "generator", "supervisor", "logging"):
+    for section in ("server", "runtime", "limits", "encoder_cache", "prefix_cache", "generator", "supervisor", "logging", "auth"):
         assert getattr(cfg, section) == getattr(defaults, section), section
     assert [m.name for m in cfg.models] == ["demo", "demo-wide"] and cfg.default_model == "demo"
     assert all(m.resolved_path().is_dir() for m in cfg.models)

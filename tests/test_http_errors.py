@@ -151,3 +151,21 @@ def test_overload_is_429_with_retry_after(tiny_config):
             err = assert_error(resp, 429, "server_overloaded")
             assert resp.headers["Retry-After"] == "1" and err["type"] == "rate_limit_error"
         assert_still_serving(c)
+
+
+def test_api_keys_and_admin_endpoint(tiny_config):
+    config = tiny_config.replace(auth={"api_keys": ("k1", "k2"), "admin_key": "root"})
+    with ServerThread(config) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        body = {"messages": colour_question("red"), "max_tokens": 2}
+        assert_error(c.post("/v1/chat/completions", json=body), 401, "invalid_api_key")
+        assert_error(c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+        assert c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert c.get("/health").status_code == 200  # health stays open for probes
+        assert_error(c.get("/debug/cache", headers={"Authorization": "Bearer k1"}), 401)
+        dbg = c.get("/debug/cache", headers={"Authorization": "Bearer root"}).json()
+        assert dbg["tiny"]["encoder_cache"]["entries"] == 1 and dbg["tiny"]["prefix_cache"]["entries"] >= 1
+        assert dbg["tiny"]["prefix_cache"]["pinned_owners"] == 0
+
+
+def test_admin_endpoints_disabled_without_admin_key(client):
+    assert_error(client.get("/debug/cache"), 403, "forbidden")

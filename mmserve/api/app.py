@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 import time
@@ -11,7 +12,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mmserve.errors import BadRequest, MMServeError, PayloadTooLarge, InternalError
+from mmserve.errors import BadRequest, Forbidden, InternalError, MMServeError, PayloadTooLarge, Unauthorized
 from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mmserve.runtime.runtime import ChatStream, Delta, Runtime, new_request_id, usage_json
@@ -41,10 +42,22 @@ def create_app(rt: Runtime) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = None  # enforced by _read_body, which can answer 413 cleanly
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
 
+    api_keys = [k.encode() for k in rt.config.auth.keys()]
+    admin_key = rt.config.auth.admin().encode()
+
     @app.before_request
-    async def assign_request_id():
+    async def assign_request_id_and_authenticate():
         incoming = request.headers.get("x-request-id", "")
         g.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
+        try:
+            if request.path.startswith("/debug/"):
+                _require_admin(admin_key)
+            elif api_keys and request.path.startswith("/v1/"):
+                if not _matches(_bearer(), api_keys):
+                    raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+        except MMServeError:
+            await _drain(rt.config.server.max_body_bytes)  # an unread body would garble the connection
+            raise
 
     @app.after_request
     async def add_request_id(response):
@@ -73,6 +86,10 @@ def create_app(rt: Runtime) -> QuartTrio:
     async def metrics():
         return Response(rt.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
+    @app.get("/debug/cache")
+    async def debug_cache():
+        return rt.debug_cache()
+
     @app.get("/v1/models")
     async def models():
         data = [{"id": m["name"], "object": "model", "created": int(rt.started), "owned_by": "mmserve",
@@ -97,6 +114,34 @@ def create_app(rt: Runtime) -> QuartTrio:
         return response
 
     return app
+
+
+def _bearer() -> bytes:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def _matches(token: bytes, keys: list[bytes]) -> bool:
+    """Constant-time comparison against every key (no early exit that would leak which matched)."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(token, key)
+    return found and bool(token)
+
+
+def _require_admin(admin_key: bytes) -> None:
+    if not admin_key:
+        raise Forbidden("admin endpoints are disabled: set auth.admin_key (or MMSERVE_ADMIN_KEY)")
+    if not _matches(_bearer(), [admin_key]):
+        raise Unauthorized("this endpoint needs the admin key: 'Authorization: Bearer <admin key>'")
+
+
+async def _drain(limit: int) -> None:
+    try:
+        await _read_body(limit)
+    except PayloadTooLarge:
+        pass
 
 
 async def _read_body(limit: int) -> bytes:

@@ -91,6 +91,25 @@ class SupervisorConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    api_keys: tuple[str, ...] = ()
+    api_keys_env: str = "MMSERVE_API_KEYS"   # comma-separated keys, added to api_keys
+    admin_key: str = ""
+    admin_key_env: str = "MMSERVE_ADMIN_KEY"
+
+    def keys(self) -> tuple[str, ...]:
+        import os
+
+        extra = tuple(k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip())
+        return self.api_keys + extra
+
+    def admin(self) -> str:
+        import os
+
+        return self.admin_key or os.environ.get(self.admin_key_env, "")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     format: str = "json"
     level: str = "info"
@@ -107,6 +126,7 @@ class Config:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     @property
     def default_model(self) -> str:
@@ -138,6 +158,7 @@ _SECTIONS = {
     "generator": GeneratorConfig,
     "supervisor": SupervisorConfig,
     "logging": LoggingConfig,
+    "auth": AuthConfig,
 }
 
 

@@ -237,6 +237,24 @@ class Runtime:
                        "prefix_cache": m.prefix_cache.stats() if m.prefix_cache else {"enabled": False}}
                 for name, m in self.registry.loaded.items()}
 
+    def debug_cache(self, oldest: int = 10) -> dict:
+        """A JSON summary of both caches of every loaded model (admin endpoint /debug/cache)."""
+        out = {}
+        for name, m in self.registry.loaded.items():
+            enc = m.encoder
+            entry = {"encoder_cache": enc.stats()}
+            if enc.cache is not None:
+                entry["encoder_cache"]["oldest"] = [e._asdict() if hasattr(e, "_asdict") else e.__dict__
+                                                    for e in enc.cache.snapshot()[:oldest]]
+            if m.prefix_cache is not None:
+                pc = m.prefix_cache
+                snap = sorted((s for s in pc.store.snapshot() if s.lru_rank is not None), key=lambda s: s.lru_rank)
+                entry["prefix_cache"] = dict(pc.stats(), slots_in_use=pc.num_slots - pc.store.free_slots(),
+                                             pinned_owners=len(pc.store.owners()),
+                                             oldest=[s._asdict() for s in snap[:oldest]])
+            out[name] = entry
+        return out
+
     def parse(self, body: dict) -> ChatRequest:
         """Validates an OpenAI-shaped request body (raises a typed 4xx error)."""
         return parse_chat_request(body, self.config.limits, self.config.default_model)
