@@ -94,6 +94,14 @@ class InternalError(MMServeError):
     code = "internal_error"
 
 
+class DeadlineExceeded(MMServeError):
+    """The request ran past `limits.request_timeout_s`; it was aborted (HTTP 504)."""
+
+    status = 504
+    type = "timeout_error"
+    code = "deadline_exceeded"
+
+
 class ServiceUnavailable(MMServeError):
     """The runtime (or the actor serving this request) is not able to answer now (HTTP 503)."""
 

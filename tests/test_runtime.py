@@ -114,3 +114,14 @@ def test_sync_runtime(tiny_config):
             if i == 2:
                 break  # leaving the loop aborts the request
         assert rt.health().ok
+
+
+async def test_deadline_aborts_a_request_that_runs_too_long(tiny_config):
+    from mmserve.errors import DeadlineExceeded
+
+    async with Runtime.open(tiny_config.replace(limits={"request_timeout_s": 0.3})) as rt:
+        with pytest.raises(DeadlineExceeded):
+            await rt.chat_completion(colour_question("red"), max_tokens=3000, min_tokens=3000, temperature=0)
+        await wait_until(lambda: not rt.registry.require("tiny").generator.running)
+        c = await rt.chat_completion(colour_question("red"), max_tokens=3, temperature=0)
+        assert c.usage.completion_tokens >= 1

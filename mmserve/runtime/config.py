@@ -59,6 +59,7 @@ class LimitsConfig:
     max_stop_sequences: int = 4
     decode_concurrency: int = 4
     max_pending_requests: int = 256
+    request_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)

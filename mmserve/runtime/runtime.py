@@ -25,7 +25,7 @@ from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
-from mmserve.errors import MMServeError, Overloaded, ServiceUnavailable
+from mmserve.errors import DeadlineExceeded, MMServeError, Overloaded, ServiceUnavailable
 from mmserve.logs import get_logger
 from mmserve.runtime.config import Config, load_config
 from mmserve.runtime.metrics import Metrics
@@ -85,8 +85,9 @@ class ChatStream:
     """The deltas of one request. Closing it (or leaving `async with`, or dropping it) aborts the
     request at the generator's next step; it never blocks."""
 
-    def __init__(self, handle: RequestHandle, receive: trio.MemoryReceiveChannel):
+    def __init__(self, handle: RequestHandle, receive: trio.MemoryReceiveChannel, timeout_s: float = math.inf):
         self.handle = handle
+        self.deadline = handle.created + timeout_s
         self._receive = receive
         self._done = False
         self._first_token_at: float | None = None
@@ -111,10 +112,18 @@ class ChatStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            event = await self._receive.receive()
+            with trio.fail_at(trio.current_time() + max(0.0, self.deadline - time.monotonic())):
+                event = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             self._done = True
             raise StopAsyncIteration from None
+        except trio.TooSlowError:
+            self._done = True
+            self.handle.abort()
+            error = DeadlineExceeded("the request did not finish within this server's deadline "
+                                     f"({self.deadline - self.handle.created:g} s) and was aborted")
+            self._log_end(error.status, error=error.message)
+            raise error from None
         if isinstance(event, TokenEvent):
             if self._first_token_at is None:
                 self._first_token_at = time.monotonic()
@@ -283,7 +292,7 @@ class Runtime:
         self.log.info("request.received", request_id=handle.request_id, model=request.model,
                       images=request.num_images, messages=len(request.messages), stream=request.stream)
         self.intake.inbox_send.send_nowait(Submit(handle))
-        return ChatStream(handle, receive)
+        return ChatStream(handle, receive, self.config.limits.request_timeout_s)
 
     def _admit_or_refuse(self) -> None:
         """Back-pressure: beyond `max_pending_requests` in flight, refuse with 429 + Retry-After."""
