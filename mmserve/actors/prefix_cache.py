@@ -91,7 +91,9 @@ class PrefixCacheManager(Actor):
     def _reset(self) -> None:
         """A fresh, empty store and pool (at start, and after a crash: never trust half-done state)."""
         self.store = KVBlockStore(self.num_slots)
-        shape = (self.layers, self.num_slots, self.kv_heads, self.block_size, self.head_dim)
+        # slots inside heads: gathering n slots of a layer yields [heads, n, block, dim], which is
+        # already the [heads, n*block, dim] layout a KV cache needs — one copy, no re-layout
+        shape = (self.layers, self.kv_heads, self.num_slots, self.block_size, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.pending: dict[str, trio.MemorySendChannel] = {}
@@ -134,12 +136,10 @@ class PrefixCacheManager(Actor):
 
     def _gather(self, slots: list[int]) -> KV:
         idx = torch.tensor(slots, device=self.device)
-        out = []
-        for layer in range(self.layers):
-            k = self.keys[layer].index_select(0, idx)  # [n, heads, block, dim]
-            v = self.values[layer].index_select(0, idx)
-            out.append((_join_blocks(k), _join_blocks(v)))
-        return tuple(out)
+        n = len(slots) * self.block_size
+        shape = (1, self.kv_heads, n, self.head_dim)
+        return tuple((self.keys[layer].index_select(1, idx).view(shape),
+                      self.values[layer].index_select(1, idx).view(shape)) for layer in range(self.layers))
 
     async def _commit(self, msg: Commit) -> None:
         placed = self.store.commit(msg.hashes, msg.request_id) if self.num_slots else []
@@ -158,8 +158,8 @@ class PrefixCacheManager(Actor):
         b = self.block_size
         for i, slot, _ in placed:
             for layer, (k, v) in enumerate(kv):
-                self.keys[layer, slot] = k[0, :, i * b:(i + 1) * b]
-                self.values[layer, slot] = v[0, :, i * b:(i + 1) * b]
+                self.keys[layer, :, slot] = k[0, :, i * b:(i + 1) * b]
+                self.values[layer, :, slot] = v[0, :, i * b:(i + 1) * b]
 
     def fail_in_flight(self, error: MMServeError) -> int:
         failed = super().fail_in_flight(error)
@@ -170,9 +170,3 @@ class PrefixCacheManager(Actor):
         s = self.store.stats()
         return dict(s.__dict__, block_size=self.block_size, block_bytes=self.block_bytes,
                     hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size)
-
-
-def _join_blocks(t: torch.Tensor) -> torch.Tensor:
-    """[n, heads, block, dim] → [1, heads, n*block, dim]."""
-    n, h, b, d = t.shape
-    return t.permute(1, 0, 2, 3).reshape(1, h, n * b, d)

@@ -190,15 +190,18 @@ class LlavaAdapter:
         the attention mask [B, longest] that hides the padding."""
         lengths = [c.get_seq_length() for c in caches]
         longest = max(lengths)
+        if len(caches) == 1:  # nothing to pad: share the tensors (the next step copies anyway)
+            mask = torch.ones(1, longest, dtype=torch.long, device=self.device)
+            return caches[0], mask
         layers = []
         for i in range(len(caches[0].layers)):
-            ks, vs = [], []
-            for c, n in zip(caches, lengths):
-                k, v = c.layers[i].keys, c.layers[i].values
-                pad = longest - n
-                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            layers.append((torch.cat(ks), torch.cat(vs)))
+            k0 = caches[0].layers[i].keys
+            shape = (len(caches), k0.shape[1], longest, k0.shape[3])
+            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
+            for b, (c, n) in enumerate(zip(caches, lengths)):
+                ks[b, :, longest - n:] = c.layers[i].keys[0]
+                vs[b, :, longest - n:] = c.layers[i].values[0]
+            layers.append((ks, vs))
         mask = torch.zeros(len(caches), longest, dtype=torch.long, device=self.device)
         for b, n in enumerate(lengths):
             mask[b, longest - n :] = 1

@@ -41,7 +41,7 @@ IMAGE_SIZE = 64
 _SUPERSAMPLE = 4  # draw at 4x and downsample: smooth edges
 _SHAPE_JITTER = 12  # per-channel colour jitter (+/-)
 _BACKGROUND_JITTER = 6
-_MIN_SIDE, _MAX_SIDE = 32, 46  # bounding-box side of the shape, in 64-px units
+_MIN_SIDE, _MAX_SIDE = 36, 50  # bounding-box side of the shape, in 64-px units
 _MARGIN = 3
 _MAX_ROTATION_DEG = 10.0
 

@@ -33,9 +33,10 @@ from .build import build_model, build_processor, checkpoint_dir, get_preset, sav
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     # stage 1: vision pre-training
-    vision_steps: int = 1200
+    vision_steps: int = 1500
     vision_batch_size: int = 64
-    vision_lr: float = 3e-3
+    vision_lr: float = 2e-3
+    vision_warmup: int = 200
     # stage 2: LLaVA
     steps: int = 1500
     batch_size: int = 48
@@ -86,7 +87,6 @@ def pretrain_vision(vision_config, bank: data.ImageBank, cfg: TrainConfig, log=p
     tower = CLIPVisionModel(vision_config)
     hidden = vision_config.hidden_size
     heads = torch.nn.ModuleDict({
-        "norm": torch.nn.LayerNorm(hidden),
         "shape": torch.nn.Linear(hidden, len(render.SHAPES)),
         "color": torch.nn.Linear(hidden, len(render.COLORS)),
         "background": torch.nn.Linear(hidden, len(render.BACKGROUNDS)),
@@ -98,17 +98,17 @@ def pretrain_vision(vision_config, bank: data.ImageBank, cfg: TrainConfig, log=p
         "background": torch.tensor([render.BACKGROUNDS.index(s.background) for s in bank.specs]),
     }
     params = [*tower.named_parameters(), *heads.named_parameters()]
-    opt = torch.optim.AdamW(_param_groups(params, cfg.weight_decay), lr=cfg.vision_lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(_param_groups(params, cfg.weight_decay), lr=cfg.vision_lr)
     rng = np.random.default_rng([cfg.seed, 0x7151])
     tower.train()
     t0 = time.perf_counter()
     run = {"loss": 0.0, "shape": 0.0, "n": 0}
     for step in range(cfg.vision_steps):
         for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, cfg.vision_steps, cfg.vision_lr, 50, cfg.min_lr_frac)
+            g["lr"] = cosine_lr(step, cfg.vision_steps, cfg.vision_lr, cfg.vision_warmup, cfg.min_lr_frac)
         idx = torch.from_numpy(rng.integers(len(bank), size=cfg.vision_batch_size))
         out = tower(pixel_values=x_all[idx], output_hidden_states=True)
-        feat = heads["norm"](out.hidden_states[-1][:, 1:].mean(1))  # what LLaVA reads (minus CLS)
+        feat = out.hidden_states[-1][:, 1:].mean(1)  # mean of what LLaVA reads (CLS dropped)
         loss = 0.0
         for k in ("shape", "color", "background"):
             logits = heads[k](feat)
@@ -117,7 +117,6 @@ def pretrain_vision(vision_config, bank: data.ImageBank, cfg: TrainConfig, log=p
                 run["shape"] += (logits.argmax(-1) == y_all[k][idx]).float().mean().item()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip)
         opt.step()
         run["loss"] += loss.item()
         run["n"] += 1
