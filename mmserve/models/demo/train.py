@@ -37,6 +37,7 @@ class TrainConfig:
     vision_batch_size: int = 64
     vision_lr: float = 2e-3
     vision_warmup: int = 200
+    vision_lr_mult: float = 0.0  # stage 2 learning rate of the tower (x lr); 0 = frozen
     # stage 2: LLaVA
     steps: int = 1500
     batch_size: int = 48
@@ -191,8 +192,19 @@ def train(
     # stage 2
     torch.manual_seed(cfg.seed)
     sampler = data.BatchSampler(processor.tokenizer, p.num_image_tokens, bank, seed=cfg.seed, mix=cfg.mix)
-    opt = torch.optim.AdamW(_param_groups(model.named_parameters(), cfg.weight_decay),
-                            lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
+    tower = model.model.vision_tower
+    tower.requires_grad_(cfg.vision_lr_mult > 0)
+    groups = _param_groups(
+        [(n, q) for n, q in model.named_parameters() if not n.startswith("model.vision_tower.")],
+        cfg.weight_decay,
+    )
+    for g in groups:
+        g["lr_mult"] = 1.0
+    if cfg.vision_lr_mult > 0:
+        for g in _param_groups(tower.named_parameters(), cfg.weight_decay):
+            g["lr_mult"] = cfg.vision_lr_mult
+            groups.append(g)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
     model.train()
     n_params = sum(q.numel() for q in model.parameters())
     log(f"[{p.name}] stage 2: {n_params / 1e6:.2f} M params, {p.num_image_tokens} image tokens, "
@@ -203,13 +215,13 @@ def train(
     t2 = time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
+            group["lr"] = group["lr_mult"] * cosine_lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
         batch = sampler.batch(cfg.batch_size)
         loss, correct = answer_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([q for g in groups for q in g["params"]], cfg.grad_clip)
         opt.step()
         run_loss += loss.item()
         run_n += 1
@@ -223,6 +235,7 @@ def train(
             hits.zero_()
             seen.zero_()
     model.eval()
+    model.requires_grad_(True)
     out = save(model, processor, out_dir)
     wall = time.perf_counter() - t0
     log(f"[{p.name}] saved to {out} (stage 1 {t_vision:.0f}s, stage 2 {time.perf_counter() - t2:.0f}s, "
