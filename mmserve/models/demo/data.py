@@ -47,20 +47,15 @@ TASK_OF_QUESTION = {q: i for i, q in enumerate((*SINGLE_QUESTIONS, *PAIR_QUESTIO
 
 
 def resize_uint8(image: Image.Image, size: int) -> np.ndarray:
-    """[size, size, 3] uint8, resized like CLIPImageProcessorPil (shortest edge, bicubic, crop)."""
+    """[size, size, 3] uint8 of a square image, resized like CLIPImageProcessorPil (bicubic).
+
+    For a square input the processor's shortest-edge resize + centre crop is a plain resize.
+    """
     image = image.convert("RGB")
+    if image.size[0] != image.size[1]:
+        raise ValueError(f"expected a square image, got {image.size}")
     if image.size != (size, size):
-        w, h = image.size
-        if w != h:  # centre-crop to a square first (our renders are square anyway)
-            s = min(w, h)
-            scale = size / s
-            image = image.resize((max(size, round(w * scale)), max(size, round(h * scale))),
-                                 Image.Resampling.BICUBIC)
-            w, h = image.size
-            left, top = (w - size) // 2, (h - size) // 2
-            image = image.crop((left, top, left + size, top + size))
-        else:
-            image = image.resize((size, size), Image.Resampling.BICUBIC)
+        image = image.resize((size, size), Image.Resampling.BICUBIC)
     return np.asarray(image, dtype=np.uint8)
 
 
@@ -154,7 +149,7 @@ def conversation(
 class TaskMix:
     """Sampling weights of the training conversations."""
 
-    p_pair: float = 0.4  # examples with two images
+    p_pair: float = 0.5  # examples with two images
     single_final: tuple[float, float, float] = (0.3, 0.25, 0.45)  # color, background, shape
     history_len: tuple[float, ...] = (0.6, 0.28, 0.12)  # 0, 1, 2 earlier turns
     p_system: float = 0.2

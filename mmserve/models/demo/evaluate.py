@@ -101,8 +101,8 @@ def generate_answers(model, processor, examples, batch_size: int = 32, max_new_t
         text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         images = [s.render() for s in specs]
         prompts.append((text, images))
-    lengths = [len(processor.tokenizer.encode(t, add_special_tokens=False)) for t, _ in prompts]
-    by_len: dict[int, list[int]] = defaultdict(list)
+    lengths = [(len(processor.tokenizer.encode(t, add_special_tokens=False)), len(ims)) for t, ims in prompts]
+    by_len: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, n in enumerate(lengths):
         by_len[n].append(i)
     answers: list[str] = [""] * len(prompts)
