@@ -23,7 +23,7 @@ def no_faults_after():
     faults.configure(None)
 
 
-def cfg(tiny_config, stall=0.5):
+def cfg(tiny_config, stall=5.0):
     return tiny_config.replace(supervisor={"stall_timeout_s": stall, "restart_backoff_s": 0.05})
 
 
