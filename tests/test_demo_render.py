@@ -136,8 +136,7 @@ def test_build_untrained_tiny_round_trip(tmp_path):
 @pytest.mark.parametrize("name", ["demo", "demo-wide"])
 def test_trained_checkpoint_answers(name):
     path = checkpoint_dir(name)
-    if not (path / "model.safetensors").exists():
-        pytest.skip(f"no trained checkpoint at {path}")
+    assert (path / "model.safetensors").exists(), f"the committed checkpoint is missing at {path}"
     processor, model = _load(path)
     cases = [
         ([("purple", "triangle", "gray")], Q_COLOR, "purple"),

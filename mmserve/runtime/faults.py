@@ -66,6 +66,8 @@ def fault(point: str) -> None:
     if action == "raise":
         raise InjectedFault(f"injected fault at {point}")
     if action == "hang":
+        # only ever reached in worker threads (decode, encode, model steps): blocking the thread
+        # is the point — it reproduces a stuck model call for the supervisor's stall watchdog
         time.sleep(float(os.environ.get("MMSERVE_FAULT_HANG_S", "3600")))
 
 
