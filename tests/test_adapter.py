@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mmserve.models.demo import Q_COLOR, Q_FIRST, render_image
+from mmserve.models.kv_buffer import stack_kv
 from mmserve.models.llava import LlavaAdapter
 
 
@@ -81,15 +82,29 @@ def test_decode_steps_match_generate_greedy(adapter):
 
 
 def test_batched_decode_with_left_padding_matches_unbatched(adapter):
+    """Several steps in one left-padded buffered batch cache, regrowing its buffers on the way,
+    give each sequence the logits of its own unbatched decode."""
     a = adapter.preprocess(messages(1), images(1))
     b = adapter.preprocess(messages(2, Q_FIRST), images(2))
+    steps = 24
+    single = []
+    for p in (a, b):
+        out, pos, rows = adapter.prefill(full_prefill(adapter, p)), len(p.input_ids), []
+        for _ in range(steps):
+            tok = int(out.logits[0].argmax())
+            out = adapter.decode([tok], out.cache, [pos])
+            rows.append((tok, out.logits[0]))
+            pos += 1
+        single.append(rows)
     outs = [adapter.prefill(full_prefill(adapter, p)) for p in (a, b)]
-    tokens = [int(o.logits[0].argmax()) for o in outs]
+    kvs = [tuple((layer.keys, layer.values) for layer in o.cache.layers) for o in outs]
+    cache, mask = stack_kv(kvs)
+    assert cache.layers[0].capacity < mask.shape[1] + steps  # forces a regrowth mid-way
     positions = [len(a.input_ids), len(b.input_ids)]
-    single = [adapter.decode([t], o.cache, [p]).logits[0] for t, o, p in zip(tokens, outs, positions)]
-    outs = [adapter.prefill(full_prefill(adapter, p)) for p in (a, b)]  # decode grew the caches in place
-    cache, mask = adapter.stack_caches([o.cache for o in outs])
-    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
-    batched = adapter.decode(tokens, cache, positions, attention_mask=mask).logits
-    for b_idx in range(2):
-        assert (batched[b_idx] - single[b_idx]).abs().max() <= 1e-4
+    for step in range(steps):
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        tokens = [single[r][step][0] for r in range(2)]
+        batched = adapter.decode(tokens, cache, positions, attention_mask=mask).logits
+        positions = [p + 1 for p in positions]
+        for r in range(2):
+            assert (batched[r] - single[r][step][1]).abs().max() <= 1e-4, (step, r)

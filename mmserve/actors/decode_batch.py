@@ -1,10 +1,12 @@
 """The running decode batch: every prefilled sequence advances by one token per batched forward.
 
-Sequences of different lengths share one KV cache, left-padded to the longest, with a 2-D
-attention mask hiding the padding and explicit per-sequence positions — which reproduces each
-sequence's unbatched logits (tests/test_adapter.py pins it). Membership changes are recorded on
-the event loop (cheap) and the cache is re-formed inside the next step, in the worker thread, so
-no tensor copying ever runs on the loop.
+Sequences of different lengths share one KV cache in preallocated buffers (written in place, see
+`mmserve.models.kv_buffer`), left-padded to the longest, with a 2-D attention mask hiding the
+padding and explicit per-sequence positions — which reproduces each sequence's unbatched logits
+(tests/test_adapter.py pins it). Membership changes are recorded on the event loop (cheap) and
+the cache is re-formed inside the next step, in the worker thread, so no tensor copying ever runs
+on the loop. A re-formation always allocates new buffers: views handed out by `kv_of` (for a
+prefix-cache commit being copied in another thread) are never written again.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ from __future__ import annotations
 from typing import Protocol, Sequence as Seq
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
+from mmserve.models.kv_buffer import KV, row_kv, stack_kv
 from mmserve.models.llava import LlavaAdapter
 
-KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+HEADROOM = 256  # columns reserved beyond the longest sequence, so most batches never regrow
 
 
 class Member(Protocol):
     kv: KV | None  # the sequence's own KV while it is not a row of the batch cache
     kv_len: int
     last_token: int
+    remaining: int  # tokens it may still generate
 
 
 class DecodeBatch:
@@ -30,7 +34,7 @@ class DecodeBatch:
         self.adapter = adapter
         self.members: list[Member] = []  # who takes part in the next step
         self._rows: list[Member] = []    # whose KV the batch cache holds, row by row
-        self.cache: DynamicCache | None = None
+        self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -46,14 +50,13 @@ class DecodeBatch:
         """The member's own KV, [1, heads, kv_len, dim] per layer, without padding (views)."""
         if member.kv is not None:
             return member.kv
-        b = self._rows.index(member)
-        start = self.mask.shape[1] - member.kv_len
-        return tuple((layer.keys[b:b + 1, :, start:], layer.values[b:b + 1, :, start:]) for layer in self.cache.layers)
+        return row_kv(self.cache, self._rows.index(member), member.kv_len)
 
     def _reform(self) -> None:
         own = [self.kv_of(m) for m in self.members]
-        caches = [DynamicCache(ddp_cache_data=list(kv), config=self.adapter.text_config) for kv in own]
-        self.cache, self.mask = self.adapter.stack_caches(caches)
+        longest = max(m.kv_len for m in self.members)
+        room = min(max(m.remaining for m in self.members), HEADROOM)
+        self.cache, self.mask = stack_kv(own, capacity=longest + room)
         self._rows = list(self.members)
         for m in self.members:
             m.kv = None
@@ -64,9 +67,10 @@ class DecodeBatch:
             self._reform()
         ones = torch.ones(len(self.members), 1, dtype=self.mask.dtype, device=self.mask.device)
         self.mask = torch.cat([self.mask, ones], dim=1)
+        padded = len(self.members) > 1 and not bool(self.mask.all())
         positions = [m.kv_len for m in self.members]
-        out = self.adapter.decode([m.last_token for m in self.members], self.cache, positions, attention_mask=self.mask)
-        self.cache = out.cache
+        out = self.adapter.decode([m.last_token for m in self.members], self.cache, positions,
+                                  attention_mask=self.mask if padded else None)
         for m in self.members:
             m.kv_len += 1
         return out.logits

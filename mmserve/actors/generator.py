@@ -62,6 +62,10 @@ class Sequence:
         return self.tokens[-1]
 
     @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.tokens)
+
+    @property
     def prefilled(self) -> bool:
         return self.kv_len >= self.prompt_len
 

@@ -185,27 +185,5 @@ class LlavaAdapter:
         logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
         return StepOutput(logits.float(), out.past_key_values)
 
-    def stack_caches(self, caches: Sequence[DynamicCache]) -> tuple[DynamicCache, torch.Tensor]:
-        """Merges single-sequence caches into one batch cache, left-padded to the longest, with
-        the attention mask [B, longest] that hides the padding."""
-        lengths = [c.get_seq_length() for c in caches]
-        longest = max(lengths)
-        if len(caches) == 1:  # nothing to pad: share the tensors (the next step copies anyway)
-            mask = torch.ones(1, longest, dtype=torch.long, device=self.device)
-            return caches[0], mask
-        layers = []
-        for i in range(len(caches[0].layers)):
-            k0 = caches[0].layers[i].keys
-            shape = (len(caches), k0.shape[1], longest, k0.shape[3])
-            ks, vs = k0.new_zeros(shape), k0.new_zeros(shape)
-            for b, (c, n) in enumerate(zip(caches, lengths)):
-                ks[b, :, longest - n:] = c.layers[i].keys[0]
-                vs[b, :, longest - n:] = c.layers[i].values[0]
-            layers.append((ks, vs))
-        mask = torch.zeros(len(caches), longest, dtype=torch.long, device=self.device)
-        for b, n in enumerate(lengths):
-            mask[b, longest - n :] = 1
-        return DynamicCache(ddp_cache_data=layers, config=self.text_config), mask
-
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
