@@ -108,3 +108,24 @@ def test_batched_decode_with_left_padding_matches_unbatched(adapter):
         positions = [p + 1 for p in positions]
         for r in range(2):
             assert (batched[r] - single[r][step][1]).abs().max() <= 1e-4, (step, r)
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 2])
+def test_tokenize_without_pixels_matches_the_processor(adapter, n_images):
+    """The intake's pixel-free tokenization gives the processor's tokens and spans, and the
+    pixels the encoder computes later are the processor's own."""
+    msgs, imgs = messages(n_images, Q_FIRST), images(n_images)
+    if n_images == 0:
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    full = adapter.preprocess(msgs, imgs)
+    lazy = adapter.tokenize(msgs, imgs)
+    assert lazy.input_ids == full.input_ids and lazy.spans == full.spans
+    assert lazy.pixel_values is None
+    for i in range(n_images):
+        assert torch.equal(lazy.pixels(adapter, i), full.pixel_values[i])
+
+
+def test_tokenize_refuses_a_placeholder_count_that_does_not_match(adapter):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "look: <image> and"}, {"type": "image"}]}]
+    with pytest.raises(ValueError):
+        adapter.tokenize(msgs, images(1))

@@ -5,7 +5,7 @@ Sequences of different lengths share one KV cache in preallocated buffers (writt
 padding and explicit per-sequence positions — which reproduces each sequence's unbatched logits
 (tests/test_adapter.py pins it). Membership changes are recorded on the event loop (cheap) and
 the cache is re-formed inside the next step, in the worker thread, so no tensor copying ever runs
-on the loop. A re-formation always allocates new buffers: views handed out by `kv_of` (for a
+on the loop; a sequence decoding alone keeps its own cache (no copy at all). A re-formation always allocates new buffers: views handed out by `kv_of` (for a
 prefix-cache commit being copied in another thread) are never written again.
 """
 
@@ -16,14 +16,14 @@ from typing import Protocol, Sequence as Seq
 import torch
 from transformers.cache_utils import Cache
 
-from mmserve.models.kv_buffer import KV, row_kv, stack_kv
+from mmserve.models.kv_buffer import KV, own_kv, row_kv, stack_kv
 from mmserve.models.llava import LlavaAdapter
 
 HEADROOM = 256  # columns reserved beyond the longest sequence, so most batches never regrow
 
 
 class Member(Protocol):
-    kv: KV | None  # the sequence's own KV while it is not a row of the batch cache
+    cache: Cache | None  # the sequence's own batch-1 cache while it is not a row of the batch cache
     kv_len: int
     last_token: int
     remaining: int  # tokens it may still generate
@@ -48,18 +48,23 @@ class DecodeBatch:
 
     def kv_of(self, member: Member) -> KV:
         """The member's own KV, [1, heads, kv_len, dim] per layer, without padding (views)."""
-        if member.kv is not None:
-            return member.kv
+        if member.cache is not None:
+            return own_kv(member.cache)
         return row_kv(self.cache, self._rows.index(member), member.kv_len)
 
     def _reform(self) -> None:
-        own = [self.kv_of(m) for m in self.members]
-        longest = max(m.kv_len for m in self.members)
-        room = min(max(m.remaining for m in self.members), HEADROOM)
-        self.cache, self.mask = stack_kv(own, capacity=longest + room)
+        first = self.members[0]
+        if len(self.members) == 1 and first.cache is not None:  # a lone sequence: adopt its cache
+            self.cache = first.cache
+            self.mask = torch.ones(1, first.kv_len, dtype=torch.long, device=self.adapter.device)
+        else:
+            own = [self.kv_of(m) for m in self.members]
+            longest = max(m.kv_len for m in self.members)
+            room = min(max(m.remaining for m in self.members), HEADROOM)
+            self.cache, self.mask = stack_kv(own, capacity=longest + room)
         self._rows = list(self.members)
         for m in self.members:
-            m.kv = None
+            m.cache = None
 
     def step(self) -> torch.Tensor:
         """One batched decode forward (worker thread): logits [B, vocab], one row per member."""

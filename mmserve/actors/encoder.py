@@ -19,7 +19,7 @@ from mmserve.actors.messages import EncodeJob, GenerateJob
 from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import key_prefix
 from mmserve.errors import MMServeError
-from mmserve.models.llava import LlavaAdapter
+from mmserve.models.llava import LlavaAdapter, PromptInputs
 from mmserve.runtime.config import EncoderCacheConfig
 from mmserve.runtime.faults import fault
 
@@ -29,7 +29,8 @@ class Miss:
     """One item to encode, and every (job, image index) waiting for it."""
 
     key: bytes | None
-    pixels: torch.Tensor
+    prompt: PromptInputs  # the first waiter's: pixels are computed from it only now, for the tower
+    index: int
     waiters: list[tuple[EncodeJob, int]] = field(default_factory=list)
 
 
@@ -58,7 +59,7 @@ class Encoder(Actor):
         the batch window (up to max_batch_images images)."""
         jobs = [await self.inbox.receive()]
         self._drain(jobs)
-        if self.config.batch_wait_ms > 0 and 0 < self._images(jobs) < self.config.max_batch_images:
+        if self.config.batch_wait_ms > 0 and self._uncached(jobs) and self._images(jobs) < self.config.max_batch_images:
             with trio.move_on_after(self.config.batch_wait_ms / 1000):
                 while self._images(jobs) < self.config.max_batch_images:
                     jobs.append(await self.inbox.receive())
@@ -71,6 +72,11 @@ class Encoder(Actor):
                 jobs.append(self.inbox.receive_nowait())
             except trio.WouldBlock:
                 return
+
+    def _uncached(self, jobs: list[EncodeJob]) -> bool:
+        """Whether some image needs the tower (only then is waiting for company worth it)."""
+        return any(key is None or self.cache is None or not self.cache.contains(key)
+                   for j in jobs for key in (j.prompt.mm_keys or (None,) * len(j.prompt.spans)))
 
     @staticmethod
     def _images(jobs: list[EncodeJob]) -> int:
@@ -113,15 +119,14 @@ class Encoder(Actor):
                 if key is not None and self.cache is not None:
                     self.log.info("encoder_cache.miss", request_id=rid, key=key_prefix(key))
                 slot = key if key is not None else len(misses) + (1 << 62)
-                misses[slot] = Miss(key, j.prompt.pixel_values[i], [(j, i)])
+                misses[slot] = Miss(key, j.prompt, i, [(j, i)])
         return list(misses.values())
 
     async def _encode(self, misses: list[Miss], found: dict) -> None:
         n = self.config.max_batch_images
         for start in range(0, len(misses), n):
             chunk = misses[start:start + n]
-            pixels = torch.stack([m.pixels for m in chunk])
-            outputs = await trio.to_thread.run_sync(self._forward, pixels, abandon_on_cancel=True)
+            outputs = await trio.to_thread.run_sync(self._forward, chunk, abandon_on_cancel=True)
             self.encoder_runs += 1
             self.items_encoded += len(chunk)
             self.log.info("encoder.batch", items=len(chunk),
@@ -131,8 +136,9 @@ class Encoder(Actor):
                     found[id(j), i] = out
                 self._store(miss, out)
 
-    def _forward(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+    def _forward(self, chunk: list[Miss]) -> list[torch.Tensor]:
         fault("encoder.forward")
+        pixels = torch.stack([m.prompt.pixels(self.adapter, m.index) for m in chunk])
         return self.adapter.encode_images(pixels)
 
     def _store(self, miss: Miss, out: torch.Tensor) -> None:

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from mmserve.actors.base import Actor
-from mmserve.actors.decode_batch import KV, DecodeBatch
+from mmserve.actors.decode_batch import HEADROOM, DecodeBatch
 from mmserve.actors.messages import FinishEvent, GenerateJob, RequestHandle, TokenEvent, Usage
-from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, sequence_block_hashes
+from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, PinnedBlocks, sequence_block_hashes
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime.config import GeneratorConfig
@@ -35,9 +35,10 @@ class Sequence:
     job: GenerateJob
     assembler: TextAssembler
     rng: torch.Generator | None
-    kv: KV | None = None          # own KV while outside the decode batch
+    cache: Cache | None = None    # own KV (batch 1, in place) while outside the decode batch
     kv_len: int = 0               # tokens whose KV exists
     hit_tokens: int = 0
+    hit: PinnedBlocks | None = None  # the cached prefix, until copied into `cache`
     embeds: torch.Tensor | None = None  # prompt embeddings after the cached prefix, until prefilled
     looked_up: bool = False
     committed: bool = False
@@ -140,7 +141,7 @@ class Generator(Actor):
         self.in_flight.pop(seq.handle.request_id, None)
         if seq.looked_up and not seq.committed:
             self.prefix_cache.send_nowait(Abort(seq.handle.request_id))
-        seq.kv = seq.embeds = None
+        seq.cache = seq.embeds = seq.hit = None
 
     def fail_in_flight(self, error: MMServeError) -> int:
         for seq in self.running:
@@ -191,17 +192,24 @@ class Generator(Actor):
             except trio.EndOfChannel:
                 pass
         if hit.blocks:
-            seq.kv, seq.kv_len = hit.kv, hit.blocks * self.block_size
-            seq.hit_tokens = seq.kv_len
+            seq.kv_len = seq.hit_tokens = hit.blocks * self.block_size
+            seq.hit = hit.source
+
+    def _capacity(self, seq: Sequence) -> int:
+        """Columns a sequence's own cache starts with: its prompt and some of its answer."""
+        return seq.prompt_len + min(seq.params.max_tokens, HEADROOM)
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor:
         """Prefills the next `n` prompt tokens (worker thread); returns the last position's logits."""
         if seq.embeds is None:
             seq.embeds = self._suffix_embeds(seq)
+        if seq.cache is None:
+            seq.cache = self.adapter.new_cache(self._capacity(seq))
+            if seq.hit is not None:
+                seq.hit.copy_into(seq.cache)
+                seq.hit = None
         offset = seq.kv_len - seq.hit_tokens
-        cache = DynamicCache(ddp_cache_data=list(seq.kv), config=self.adapter.text_config) if seq.kv else None
-        out = self.adapter.prefill(seq.embeds[:, offset:offset + n], cache, start=seq.kv_len)
-        seq.kv = tuple((layer.keys, layer.values) for layer in out.cache.layers)
+        out = self.adapter.prefill(seq.embeds[:, offset:offset + n], seq.cache, start=seq.kv_len)
         seq.kv_len += n
         if seq.prefilled:
             seq.embeds = None
@@ -303,6 +311,6 @@ class Generator(Actor):
         ids = (list(seq.job.prompt.input_ids) + seq.tokens)[: seq.kv_len]
         hashes = self._hashes(seq, ids)
         if hashes:
-            kv = self.batch.kv_of(seq) if seq in self.batch.members else seq.kv
+            kv = self.batch.kv_of(seq)
             self.prefix_cache.send_nowait(Commit(seq.handle.request_id, tuple(hashes), kv))
             seq.committed = True

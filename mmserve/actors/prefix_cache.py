@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import trio
+from transformers.cache_utils import Cache
 
 from mmserve.actors.base import Actor
 from mmserve.cache.block_hash import MMPlaceholder, block_hashes, root_hash
@@ -27,9 +28,34 @@ KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), 
 
 
 @dataclass(frozen=True)
+class PinnedBlocks:
+    """A read-only view of a hit's slots in the pool, valid while the requester holds the pins the
+    lookup took: a pinned slot is never evicted, so never rewritten (after a crash the manager
+    starts a new pool; the old one is no longer written either). The requester copies from it in
+    its own worker thread, into its own cache, saving a hop through this actor."""
+
+    keys: torch.Tensor    # the pool, [layers, heads, slots, block, dim]
+    values: torch.Tensor
+    slots: tuple[int, ...]
+
+    def copy_into(self, cache: Cache) -> int:
+        """Writes the blocks, in order, into the first columns of an empty buffered batch-1
+        cache; returns the number of tokens."""
+        _, heads, _, block, dim = self.keys.shape
+        n = len(self.slots) * block
+        idx = torch.tensor(self.slots, device=self.keys.device)
+        for i, layer in enumerate(cache.layers):
+            layer.reserve(n)
+            torch.index_select(self.keys[i], 1, idx, out=layer.kbuf[0, :, :n].view(heads, len(self.slots), block, dim))
+            torch.index_select(self.values[i], 1, idx, out=layer.vbuf[0, :, :n].view(heads, len(self.slots), block, dim))
+            layer.set_length(n)
+        return n
+
+
+@dataclass(frozen=True)
 class LookupResult:
     blocks: int
-    kv: KV | None = None
+    source: PinnedBlocks | None = None
 
 
 @dataclass(frozen=True)
@@ -77,11 +103,8 @@ class PrefixCacheManager(Actor):
 
     def __init__(self, adapter: LlavaAdapter, config: PrefixCacheConfig):
         super().__init__(model=adapter.name)
-        tc = adapter.text_config
         self.block_size = config.block_size
-        self.layers = int(tc.num_hidden_layers)
-        self.kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
-        self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+        self.layers, self.kv_heads, self.head_dim = adapter.kv_layers, adapter.kv_heads, adapter.head_dim
         self.dtype, self.device = adapter.dtype, adapter.device
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.block_bytes = 2 * self.layers * self.kv_heads * self.block_size * self.head_dim * elem
@@ -110,7 +133,7 @@ class PrefixCacheManager(Actor):
     async def _handle(self, msg) -> None:
         if isinstance(msg, Lookup):
             try:
-                await self._lookup(msg)
+                self._lookup(msg)
             finally:
                 msg.reply.close()  # a lookup that failed half-way reads as a miss, never a hang
         elif isinstance(msg, Prepare):
@@ -123,23 +146,16 @@ class PrefixCacheManager(Actor):
         else:
             raise TypeError(f"prefix cache: unexpected message {msg!r}")
 
-    async def _lookup(self, msg: Lookup) -> None:
+    def _lookup(self, msg: Lookup) -> None:
         slots = self.store.lookup(msg.hashes, msg.request_id) if self.num_slots else []
-        kv = await trio.to_thread.run_sync(self._gather, slots) if slots else None
         self.log.info("prefix_cache.lookup", request_id=msg.request_id, queried_blocks=len(msg.hashes),
                       hit_blocks=len(slots), hit_tokens=len(slots) * self.block_size, slots=slots,
                       first_hash=key_prefix(msg.hashes[0]) if msg.hashes else None)
+        source = PinnedBlocks(self.keys, self.values, tuple(slots)) if slots else None
         try:
-            msg.reply.send_nowait(LookupResult(len(slots), kv))
+            msg.reply.send_nowait(LookupResult(len(slots), source))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.store.abort(msg.request_id)
-
-    def _gather(self, slots: list[int]) -> KV:
-        idx = torch.tensor(slots, device=self.device)
-        n = len(slots) * self.block_size
-        shape = (1, self.kv_heads, n, self.head_dim)
-        return tuple((self.keys[layer].index_select(1, idx).view(shape),
-                      self.values[layer].index_select(1, idx).view(shape)) for layer in range(self.layers))
 
     async def _commit(self, msg: Commit) -> None:
         placed = self.store.commit(msg.hashes, msg.request_id) if self.num_slots else []

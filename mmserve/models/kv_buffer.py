@@ -50,6 +50,11 @@ class BufferedLayer(DynamicLayer):
         self.kbuf, self.vbuf = kbuf, vbuf
         self._expose()
 
+    def set_length(self, length: int) -> None:
+        """Declares the first `length` columns filled (after writing them into the buffers)."""
+        self.length = length
+        self._expose()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n, q = self.length, key_states.shape[-2]
         self.reserve(n + q)
@@ -86,8 +91,26 @@ def stack_kv(kvs: Sequence[KV], capacity: int = 0) -> tuple[Cache, torch.Tensor]
     return Cache(layers=layers), mask
 
 
+def own_kv(cache: Cache) -> KV:
+    """A batch-1 cache's filled part, per layer (views)."""
+    return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+
 def row_kv(cache: Cache, row: int, length: int) -> KV:
     """Row `row`'s last `length` columns of every layer, [1, heads, length, dim] (views)."""
     end = cache.layers[0].length
     return tuple((layer.keys[row : row + 1, :, end - length :], layer.values[row : row + 1, :, end - length :])
                  for layer in cache.layers)
+
+
+def buffered_cache(buffers: KV, length: int) -> Cache:
+    """A batch-1 cache over per-layer (keys, values) buffers whose first `length` columns hold KV."""
+    return Cache(layers=[BufferedLayer(k, v, length) for k, v in buffers])
+
+
+def empty_buffers(layers: int, heads: int, head_dim: int, capacity: int,
+                  dtype: torch.dtype, device: torch.device) -> KV:
+    """Per-layer (keys, values) buffers [1, heads, capacity, head_dim] (rounded up), unfilled."""
+    shape = (1, heads, _rounded(max(capacity, 1)), head_dim)
+    return tuple((torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                 for _ in range(layers))

@@ -17,9 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local directori
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.utils import logging as hf_logging
 
 from mmserve.cache.keys import model_sig, processor_digest
+from mmserve.models.kv_buffer import buffered_cache, empty_buffers
 
 hf_logging.disable_progress_bar()
 
@@ -42,6 +44,13 @@ class PromptInputs:
     pixel_values: torch.Tensor | None
     spans: tuple[ImageSpan, ...]
     mm_keys: tuple[bytes | None, ...] = ()  # content key per image; None = uncacheable
+    images: tuple = ()  # the decoded images, when pixel_values is left for the encoder to compute
+
+    def pixels(self, adapter: "LlavaAdapter", i: int) -> torch.Tensor:
+        """Image i's pixel tensor [C, H, W] (computed now if `tokenize` left it out)."""
+        if self.pixel_values is not None:
+            return self.pixel_values[i]
+        return adapter.pixel_values([self.images[i]])[0]
 
 
 @dataclass
@@ -71,6 +80,10 @@ class LlavaAdapter:
         self.image_token_id = int(self.config.image_token_id)
         self.eos_token_ids = frozenset(self._eos_ids())
         self.vocab_size = int(self.text_config.vocab_size)
+        tc = self.text_config
+        self.kv_layers = int(tc.num_hidden_layers)
+        self.kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
+        self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
         self.answer_lead = self._answer_lead()
         self.model_sig = model_sig(name, self.path)
         self.processor_digest = processor_digest(self.processor.image_processor.to_dict())
@@ -114,6 +127,41 @@ class LlavaAdapter:
         spans = self.image_spans(input_ids, len(images))
         return PromptInputs(input_ids, pixel_values, spans)
 
+    def tokenize(self, messages: list[dict], images: Sequence) -> PromptInputs:
+        """Like `preprocess`, but without the image processor's pixel work, which only an encoder
+        cache miss needs (the encoder computes it then, with `pixel_values`). The placeholder
+        expansion is the processor's own (`_get_num_multimodal_tokens`, as vLLM uses it); a
+        processor that cannot tell its counts without pixels takes the full `preprocess` path.
+        tests/test_adapter.py pins that both paths give the same tokens."""
+        counts = self._image_token_counts(images)
+        if counts is None:
+            return self.preprocess(messages, images)
+        text = self.render_prompt(messages)
+        token = self.processor.image_token
+        pieces = text.split(token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the prompt has {len(pieces) - 1} image placeholders for {len(images)} images")
+        expanded = "".join(p + token * n for p, n in zip(pieces, counts)) + pieces[-1]
+        input_ids = tuple(int(t) for t in self.tokenizer([expanded])["input_ids"][0])
+        spans = self.image_spans(input_ids, len(images))
+        return PromptInputs(input_ids, None, spans, images=tuple(images))
+
+    def _image_token_counts(self, images: Sequence) -> list[int] | None:
+        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        token = getattr(self.processor, "image_token", None)
+        if not images or count is None or not isinstance(token, str):
+            return [] if not images and token else None
+        try:
+            data = count(image_sizes=[(img.height, img.width) for img in images])
+            counts = list(data.num_image_tokens)
+        except Exception:  # a processor whose counts need more than sizes: take the full path
+            return None
+        return counts if len(counts) == len(images) else None
+
+    def pixel_values(self, images: Sequence) -> torch.Tensor:
+        """The image processor's pixel tensor for `images`, [N, C, H, W] (worker thread)."""
+        return self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+
     def image_spans(self, input_ids: Sequence[int], n_images: int) -> tuple[ImageSpan, ...]:
         """Splits the placeholder positions into one contiguous span per image."""
         positions = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
@@ -150,6 +198,11 @@ class LlavaAdapter:
         for pos, rows in pieces:
             embeds[0, pos : pos + rows.shape[0]] = rows.to(embeds.dtype)
         return embeds
+
+    def new_cache(self, capacity: int) -> Cache:
+        """An empty batch-1 KV cache with room for `capacity` tokens (it grows if needed)."""
+        bufs = empty_buffers(self.kv_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+        return buffered_cache(bufs, 0)
 
     @torch.inference_mode()
     def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None = None, start: int = 0) -> StepOutput:
