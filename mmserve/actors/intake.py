@@ -1,4 +1,4 @@
-"""Intake actor: decodes images, applies the chat template and processor, validates limits.
+"""Intake actor: fetches remote images, decodes images, applies the chat template and processor, validates limits.
 
 Each request is prepared in its own task (image decoding and the processor run in worker
 threads, bounded by a limiter), so one large image never delays the others nor the event loop.
@@ -21,6 +21,7 @@ from mmserve.errors import BadRequest, MMServeError, UnprocessableImage
 from mmserve.models.llava import LlavaAdapter, PromptInputs
 from mmserve.runtime.config import LimitsConfig
 from mmserve.runtime.images import data_url_bytes, open_image
+from mmserve.runtime.remote_images import fetch_images, is_remote_url
 from mmserve.runtime.request import ChatRequest, ImagePart, TextPart
 
 
@@ -36,18 +37,35 @@ def hf_messages(request: ChatRequest) -> list[dict]:
     return out
 
 
-def decode_images(request: ChatRequest, limits: LimitsConfig) -> list:
-    """Every image of the request, decoded to RGB, in prompt order (runs in a worker thread)."""
+def _image_parts(request: ChatRequest):
+    """`(key, where, part)` for every image of the request, in prompt order."""
+    for i, m in enumerate(request.messages):
+        for j, part in enumerate(p for p in m.parts if isinstance(p, ImagePart)):
+            yield (i, j), f"messages[{i}].content (image {j})", part
+
+
+def remote_urls(request: ChatRequest) -> dict[tuple[int, int], tuple[str, str]]:
+    """`{key: (url, where)}` of the request's remote `http(s)` images."""
+    return {key: (part.url, where) for key, where, part in _image_parts(request)
+            if part.url is not None and is_remote_url(part.url)}
+
+
+def decode_images(request: ChatRequest, limits: LimitsConfig, fetched: dict | None = None) -> list:
+    """Every image of the request, decoded to RGB, in prompt order (runs in a worker thread).
+
+    Remote images come as bytes already fetched (`fetched`, by `remote_urls` key) and take the
+    same validation as inline ones.
+    """
     if request.num_images:
         fault("image.decode")
     images = []
-    for i, m in enumerate(request.messages):
-        for j, part in enumerate(p for p in m.parts if isinstance(p, ImagePart)):
-            where = f"messages[{i}].content (image {j})"
-            if part.image is not None:
-                images.append(_embedded_image(part.image, where))
-            else:
-                images.append(open_image(data_url_bytes(part.url, limits, where), limits, where))
+    for key, where, part in _image_parts(request):
+        if part.image is not None:
+            images.append(_embedded_image(part.image, where))
+        elif fetched is not None and key in fetched:
+            images.append(open_image(fetched[key], limits, where))
+        else:
+            images.append(open_image(data_url_bytes(part.url, limits, where), limits, where))
     return images
 
 
@@ -59,7 +77,7 @@ def _embedded_image(image, where: str):
 
 
 def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: LimitsConfig) -> PromptInputs:
-    prompt = adapter.preprocess(hf_messages(request), images)
+    prompt = adapter.tokenize(hf_messages(request), images)
     keys = tuple(image_identity(adapter.model_sig, adapter.processor_digest, img) for img in images)
     prompt = dataclasses.replace(prompt, mm_keys=keys)
     if len(prompt.input_ids) > limits.max_prompt_tokens:
@@ -76,12 +94,14 @@ def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: L
 
 class Intake(Actor):
     name = "intake"
+    ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
 
     def __init__(self, limits: LimitsConfig, route: Callable[[str], Awaitable[tuple[LlavaAdapter, trio.MemorySendChannel]]]):
         super().__init__()
         self.limits = limits
         self.route = route
         self.limiter = trio.CapacityLimiter(limits.decode_concurrency)
+        self.fetch_limiter = trio.CapacityLimiter(limits.remote_image_policy.fetch_concurrency)
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -90,26 +110,42 @@ class Intake(Actor):
                 self.in_flight[msg.handle.request_id] = msg.handle
                 nursery.start_soon(self._prepare, msg)
 
+    async def _fetch(self, handle: RequestHandle, urls: dict, log) -> dict | None:
+        """Fetches the request's remote images; None when the caller left (the fetch is cancelled).
+
+        Nothing cancels this task when the caller goes away (it only sets `handle.aborted`), so a
+        watcher polls the handle and cancels the fetch; it also reports progress to the
+        supervisor, the fetch being bounded by its own `timeout_s`.
+        """
+        result, error = None, None
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                while handle.active:
+                    self.progressed()
+                    await trio.sleep(self.ABORT_POLL_S)
+                nursery.cancel_scope.cancel()
+
+            async def fetch() -> None:
+                nonlocal result, error
+                try:
+                    result = await fetch_images(urls, self.limits, log, self.fetch_limiter)
+                except MMServeError as e:  # raised below as itself, not wrapped in an ExceptionGroup
+                    error = e
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            nursery.start_soon(fetch)
+        if not handle.active:
+            return None
+        if error is not None:
+            raise error
+        return result
+
     async def _prepare(self, msg: Submit) -> None:
         handle = msg.handle
         log = self.log.bind(request_id=handle.request_id, model=handle.model)
         try:
-            if not handle.active:
-                return
-            adapter, encoder_inbox = await self.route(handle.model)
-            request = handle.request
-            t0 = time.monotonic()
-            images = await trio.to_thread.run_sync(decode_images, request, self.limits, limiter=self.limiter)
-            t1 = time.monotonic()
-            if not handle.active:
-                log.info("intake.aborted")
-                return
-            prompt = await trio.to_thread.run_sync(prepare, adapter, request, images, self.limits, limiter=self.limiter)
-            log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(images),
-                     queued_s=round(t0 - handle.created, 6), decode_s=round(t1 - t0, 6),
-                     preprocess_s=round(time.monotonic() - t1, 6))
-            if handle.active:
-                encoder_inbox.send_nowait(EncodeJob(handle, prompt))
+            await self._prepare_one(handle, log)
         except MMServeError as e:
             log.info("intake.rejected", status=e.status, error=e.message)
             handle.fail(e)
@@ -119,3 +155,29 @@ class Intake(Actor):
         # not in a `finally`: a request caught in a crash stays in in_flight, for the supervisor to fail
         self.in_flight.pop(handle.request_id, None)
         self.progressed()
+
+    async def _prepare_one(self, handle: RequestHandle, log) -> None:
+        if not handle.active:
+            return
+        adapter, encoder_inbox = await self.route(handle.model)
+        request = handle.request
+        t_fetch = time.monotonic()
+        fetched = None
+        urls = remote_urls(request)
+        if urls:
+            fetched = await self._fetch(handle, urls, log)
+            if fetched is None:
+                log.info("intake.aborted")
+                return
+        t0 = time.monotonic()
+        images = await trio.to_thread.run_sync(decode_images, request, self.limits, fetched, limiter=self.limiter)
+        t1 = time.monotonic()
+        if not handle.active:
+            log.info("intake.aborted")
+            return
+        prompt = await trio.to_thread.run_sync(prepare, adapter, request, images, self.limits, limiter=self.limiter)
+        log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(images),
+                 queued_s=round(t_fetch - handle.created, 6), fetch_s=round(t0 - t_fetch, 6),
+                 decode_s=round(t1 - t0, 6), preprocess_s=round(time.monotonic() - t1, 6))
+        if handle.active:
+            encoder_inbox.send_nowait(EncodeJob(handle, prompt))

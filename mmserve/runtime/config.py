@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,43 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class RemoteImagesConfig:
+    """The `remote_image*` keys of `[limits]`, checked and normalized: the policy for fetching
+    `http(s)` image URLs (rules in `mmserve.runtime.remote_images`). Build it from a LimitsConfig
+    (`limits.remote_image_policy`); tests may build one directly."""
+
+    enabled: bool = False
+    allowed_hosts: tuple[str, ...] = ()  # exact host names / IP literals, or "*.example.com"
+    allow_http: bool = False
+    allow_private: bool = False
+    max_bytes: int = 20 * 1024 * 1024
+    timeout_s: float = 10.0
+    max_redirects: int = 3
+    fetch_concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        from mmserve.runtime.remote_images import normalize_host_pattern
+
+        where = "config [limits]"
+        hosts = self.allowed_hosts
+        if isinstance(hosts, str) or not all(isinstance(h, str) for h in hosts):
+            raise ValueError(f"{where}: remote_image_hosts must be a list of host names, got {hosts!r}")
+        object.__setattr__(self, "allowed_hosts", tuple(
+            normalize_host_pattern(h, f"{where} remote_image_hosts") for h in hosts))
+        for key, name in (("enabled", "remote_images"), ("allow_http", "remote_image_allow_http"),
+                          ("allow_private", "remote_image_allow_private")):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{where}: {name} must be true or false")
+        for key, name, lo in (("max_bytes", "remote_image_max_bytes", 1), ("max_redirects", "remote_image_max_redirects", 0),
+                              ("fetch_concurrency", "remote_image_fetch_concurrency", 1)):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{where}: {name} must be an integer >= {lo}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"{where}: remote_image_timeout_s must be a number > 0")
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     max_messages: int = 256
     max_images_per_request: int = 8
@@ -60,6 +98,31 @@ class LimitsConfig:
     decode_concurrency: int = 4
     max_pending_requests: int = 256
     request_timeout_s: float = 600.0
+    # remote http(s) image URLs: off unless enabled (see config.toml and mmserve.runtime.remote_images)
+    remote_images: bool = False
+    remote_image_hosts: tuple[str, ...] = ()
+    remote_image_allow_http: bool = False
+    remote_image_allow_private: bool = False
+    remote_image_max_bytes: int = 0  # 0: max_image_bytes
+    remote_image_timeout_s: float = 10.0
+    remote_image_max_redirects: int = 3
+    remote_image_fetch_concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        v = self.remote_image_max_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError("config [limits]: remote_image_max_bytes must be an integer >= 0 (0: max_image_bytes)")
+        self.remote_image_policy  # a bad remote_image_* value fails at load time, not at the first request
+
+    @functools.cached_property
+    def remote_image_policy(self) -> RemoteImagesConfig:
+        """The `remote_image*` keys, checked and normalized."""
+        max_bytes = self.remote_image_max_bytes or self.max_image_bytes
+        return RemoteImagesConfig(
+            enabled=self.remote_images, allowed_hosts=self.remote_image_hosts,
+            allow_http=self.remote_image_allow_http, allow_private=self.remote_image_allow_private,
+            max_bytes=max_bytes, timeout_s=self.remote_image_timeout_s,
+            max_redirects=self.remote_image_max_redirects, fetch_concurrency=self.remote_image_fetch_concurrency)
 
 
 @dataclass(frozen=True)

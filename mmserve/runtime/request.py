@@ -12,6 +12,7 @@ from typing import Any
 
 from mmserve.errors import BadRequest, UnsupportedParameter
 from mmserve.runtime.config import LimitsConfig
+from mmserve.runtime.remote_images import check_url, is_remote_url
 from mmserve.runtime.sampling import SamplingParams
 
 
@@ -22,7 +23,8 @@ class TextPart:
 
 @dataclass(frozen=True)
 class ImagePart:
-    """An image as given: a `data:` URL (`url`) or, from embedded callers, a PIL image (`image`)."""
+    """An image as given: a `data:` URL or a checked remote `http(s)` URL (`url`), or, from embedded
+    callers, a PIL image (`image`)."""
 
     url: str | None = None
     image: Any = None
@@ -147,7 +149,7 @@ def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
     )
 
 
-def _image_part(part: dict, where: str) -> ImagePart:
+def _image_part(part: dict, where: str, limits: LimitsConfig) -> ImagePart:
     if part.get("type") == "image":  # embedded callers may pass a PIL image directly
         if part.get("image") is None:
             raise BadRequest(f"{where}: an 'image' part needs an 'image' (a PIL image)", param=where)
@@ -156,16 +158,16 @@ def _image_part(part: dict, where: str) -> ImagePart:
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str) or not url:
         raise BadRequest(f"{where}: 'image_url' must be an object with a 'url' string", param=where)
-    if url.startswith(("http://", "https://")):
-        raise BadRequest(
-            f"{where}: remote image URLs are disabled on this server; send the image inline as a "
-            "data: URL (data:image/png;base64,...)", param=where, code="remote_images_disabled")
+    if is_remote_url(url):  # fetched by the intake; the checks that need no I/O run here, up front
+        check_url(url, limits.remote_image_policy, where)
+        return ImagePart(url=url)
     if not url.startswith("data:"):
-        raise BadRequest(f"{where}: image URL must be a data: URL (data:image/png;base64,...)", param=where)
+        what = "a data: URL or an http(s) URL" if limits.remote_images else "a data: URL"
+        raise BadRequest(f"{where}: image URL must be {what} (data:image/png;base64,...)", param=where)
     return ImagePart(url=url)
 
 
-def _parts(content: Any, where: str, role: str) -> tuple[TextPart | ImagePart, ...]:
+def _parts(content: Any, where: str, role: str, limits: LimitsConfig) -> tuple[TextPart | ImagePart, ...]:
     if isinstance(content, str):
         return (TextPart(content),)
     if not isinstance(content, list) or not content:
@@ -183,7 +185,7 @@ def _parts(content: Any, where: str, role: str) -> tuple[TextPart | ImagePart, .
         elif kind in ("image_url", "image"):
             if role != "user":
                 raise BadRequest(f"{pw}: images are only allowed in user messages", param=pw)
-            parts.append(_image_part(part, pw))
+            parts.append(_image_part(part, pw, limits))
         else:
             raise BadRequest(
                 f"{pw}: unsupported content part type {kind!r}; supported: 'text', 'image_url'", param=pw)
@@ -206,7 +208,7 @@ def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
             raise BadRequest(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}{extra}", param=f"{where}.role")
         if m.get("tool_calls") or m.get("function_call"):
             raise UnsupportedParameter(f"{where}: tool calls are not supported", param=f"{where}.tool_calls")
-        messages.append(Message("system" if role == "developer" else role, _parts(m.get("content"), where, role)))
+        messages.append(Message("system" if role == "developer" else role, _parts(m.get("content"), where, role, limits)))
     if messages[-1].role == "assistant":
         raise BadRequest("the last message must not be from the assistant: nothing to answer", param="messages")
     n_images = sum(len(m.images) for m in messages)
