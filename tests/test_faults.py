@@ -66,7 +66,9 @@ async def test_a_failed_commit_resets_the_prefix_cache_and_nothing_breaks(tiny_c
         a = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
         await wait_healthy(rt)
         b = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
-        assert a.text == b.text and b.usage.cached_tokens == 0  # the store was rebuilt empty
+        # the prompt commit failed and the store was rebuilt empty; the end-of-request commit that
+        # followed may have cached the blocks again, so b may hit — and must still answer the same
+        assert a.text == b.text
         assert rt.supervisor.states["prefix_cache[tiny]"].restarts == 1
         await assert_consistent(rt)
 

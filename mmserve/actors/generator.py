@@ -22,7 +22,7 @@ from mmserve.actors.messages import FinishEvent, GenerateJob, RequestHandle, Tok
 from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, PinnedBlocks, sequence_block_hashes
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
-from mmserve.runtime.config import GeneratorConfig
+from mmserve.runtime.config import GeneratorConfig, PrefixCacheConfig
 from mmserve.runtime.faults import fault
 from mmserve.runtime.sampling import make_generator, sample
 from mmserve.runtime.stops import TextAssembler
@@ -40,8 +40,10 @@ class Sequence:
     hit_tokens: int = 0
     hit: PinnedBlocks | None = None  # the cached prefix, until copied into `cache`
     embeds: torch.Tensor | None = None  # prompt embeddings after the cached prefix, until prefilled
-    looked_up: bool = False
-    committed: bool = False
+    prompt_hashes: tuple[bytes, ...] = ()  # block hashes of the prompt's full blocks
+    looked_up: bool = False       # the prefix cache knows this request (pins or registrations)
+    lookup_deadline: float | None = None  # set while the lookup's answer is awaited
+    closed: bool = False          # the final commit or abort was sent
     tokens: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -75,11 +77,14 @@ class Generator(Actor):
     name = "generator"
 
     def __init__(self, adapter: LlavaAdapter, prefix_cache: trio.MemorySendChannel | None = None,
-                 block_size: int = 16, config: GeneratorConfig = GeneratorConfig(), metrics=None):
+                 prefix_config: PrefixCacheConfig = PrefixCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
+                 metrics=None):
         super().__init__(model=adapter.name)
         self.adapter = adapter
         self.prefix_cache = prefix_cache
-        self.block_size = block_size
+        self.block_size = prefix_config.block_size
+        # a lookup may wait for another request's commit; past this the sequence computes alone
+        self.lookup_wait_s = prefix_config.inflight_wait_s + config.lookup_timeout_s
         self.config = config
         self.metrics = metrics
         self.waiting: list[Sequence] = []   # admitted, prompt not yet fully prefilled
@@ -97,25 +102,47 @@ class Generator(Actor):
         self.waiting.clear()
         self.batch = DecodeBatch(self.adapter)
         while True:
-            if not self.running:
-                self._admit(await self.inbox.receive())
-            self._admit_waiting()
+            await self._take_messages()
             self._drop_aborted()
-            if self.waiting:
+            if self._prefillable():
                 await self._prefill_round()
             if self.batch.members:
                 await self._decode_round()
             self.progressed()
 
-    # -- admission and departure -------------------------------------------------------------
+    # -- messages: new sequences and prefix-cache answers -----------------------------------------
 
-    def _admit_waiting(self) -> None:
+    async def _take_messages(self) -> None:
+        """Takes every waiting message; when there is nothing to compute, first waits for one
+        (or for the earliest lookup deadline, waking at least once a second to show liveness)."""
+        if not self.batch.members and not self._prefillable():
+            deadlines = [s.lookup_deadline for s in self.waiting if s.lookup_deadline is not None]
+            with trio.move_on_at(min(deadlines, default=trio.current_time() + 1.0)):
+                self._on_message(await self.inbox.receive())
         while True:
             try:
-                job = self.inbox.receive_nowait()
+                self._on_message(self.inbox.receive_nowait())
             except trio.WouldBlock:
-                return
-            self._admit(job)
+                break
+        now = trio.current_time()
+        for seq in self.waiting:
+            if seq.lookup_deadline is not None and seq.lookup_deadline <= now:
+                seq.lookup_deadline = None
+                self.log.warning("generator.lookup_timeout", request_id=seq.handle.request_id,
+                                 waited_s=self.lookup_wait_s)
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, GenerateJob):
+            self._admit(msg)
+        elif isinstance(msg, LookupResult):
+            self._on_lookup(msg)
+        else:
+            raise TypeError(f"generator: unexpected message {msg!r}")
+
+    def _prefillable(self) -> bool:
+        return any(s.lookup_deadline is None for s in self.waiting)
+
+    # -- admission and departure -------------------------------------------------------------
 
     def _admit(self, job: GenerateJob) -> None:
         handle = job.handle
@@ -123,8 +150,11 @@ class Generator(Actor):
             return
         params = handle.request.sampling
         assembler = TextAssembler(self.adapter.decode_text, params.stop, self.adapter.answer_lead)
-        self.waiting.append(Sequence(job, assembler, make_generator(params)))
+        seq = Sequence(job, assembler, make_generator(params))
+        self.waiting.append(seq)
         self.in_flight[handle.request_id] = handle
+        if self.prefix_cache is not None:
+            self._lookup(seq)
 
     def _drop_aborted(self) -> None:
         for seq in [s for s in self.running if not s.handle.active]:
@@ -139,14 +169,18 @@ class Generator(Actor):
         elif seq in self.batch.members:
             self.batch.set_members([m for m in self.batch.members if m is not seq])
         self.in_flight.pop(seq.handle.request_id, None)
-        if seq.looked_up and not seq.committed:
-            self.prefix_cache.send_nowait(Abort(seq.handle.request_id))
+        self._close(seq)
         seq.cache = seq.embeds = seq.hit = None
+
+    def _close(self, seq: Sequence) -> None:
+        """Tells the prefix cache this request will commit nothing more (pins, registrations)."""
+        if seq.looked_up and not seq.closed:
+            self.prefix_cache.send_nowait(Abort(seq.handle.request_id))
+        seq.closed = True
 
     def fail_in_flight(self, error: MMServeError) -> int:
         for seq in self.running:
-            if seq.looked_up and not seq.committed:
-                self.prefix_cache.send_nowait(Abort(seq.handle.request_id))
+            self._close(seq)
         self.waiting.clear()
         self.batch = DecodeBatch(self.adapter)
         return super().fail_in_flight(error)
@@ -154,15 +188,12 @@ class Generator(Actor):
     # -- prefill -------------------------------------------------------------------------------
 
     async def _prefill_round(self) -> None:
-        """Up to `prefill_chunk_tokens` of prompt prefill, oldest waiting sequence first."""
+        """Up to `prefill_chunk_tokens` of prompt prefill, oldest ready sequence first (a sequence
+        still waiting for its lookup's answer is passed over)."""
         budget = self.config.prefill_chunk_tokens
-        for seq in list(self.waiting):
+        for seq in [s for s in self.waiting if s.lookup_deadline is None]:
             if budget <= 0:
                 break
-            if not seq.looked_up and self.prefix_cache is not None:
-                await self._lookup(seq)
-                if not seq.handle.active:
-                    continue
             chunk = min(budget, seq.prompt_len - seq.kv_len)
             t0 = time.monotonic()
             logits = await trio.to_thread.run_sync(self._prefill_chunk, seq, chunk, abandon_on_cancel=True)
@@ -172,32 +203,35 @@ class Generator(Actor):
                           duration_s=round(time.monotonic() - t0, 6))
             if seq.prefilled:
                 self.waiting.remove(seq)
+                self._commit_prompt(seq)
                 token = self._sample(seq, logits)
                 if self._accept(seq, token):
                     self.batch.set_members([*self.batch.members, seq])
 
-    async def _lookup(self, seq: Sequence) -> None:
-        """Restores the cached prefix of the prompt, capped so at least one prompt token is prefilled."""
+    def _lookup(self, seq: Sequence) -> None:
+        """Asks for the cached prefix of the prompt, capped so at least one prompt token is
+        prefilled; the answer arrives in this actor's inbox."""
         ids = seq.job.prompt.input_ids
-        hashes = self._hashes(seq, ids)[: (len(ids) - 1) // self.block_size]
-        seq.looked_up = True
+        seq.prompt_hashes = tuple(self._hashes(seq, ids))
+        hashes = seq.prompt_hashes[: (len(ids) - 1) // self.block_size]
         if not hashes:
             return
-        send, receive = trio.open_memory_channel(1)
-        self.prefix_cache.send_nowait(Lookup(seq.handle.request_id, tuple(hashes), send))
-        hit = LookupResult(0)
-        with trio.move_on_after(self.config.lookup_timeout_s):
-            try:
-                hit = await receive.receive()
-            except trio.EndOfChannel:
-                pass
-        if hit.blocks:
-            seq.kv_len = seq.hit_tokens = hit.blocks * self.block_size
-            seq.hit = hit.source
+        seq.looked_up = True
+        seq.lookup_deadline = trio.current_time() + self.lookup_wait_s
+        self.prefix_cache.send_nowait(Lookup(seq.handle.request_id, hashes, self.inbox_send))
 
     def _capacity(self, seq: Sequence) -> int:
         """Columns a sequence's own cache starts with: its prompt and some of its answer."""
         return seq.prompt_len + min(seq.params.max_tokens, HEADROOM)
+
+    def _on_lookup(self, hit: LookupResult) -> None:
+        seq = next((s for s in self.waiting if s.handle.request_id == hit.request_id), None)
+        if seq is None or seq.lookup_deadline is None:
+            return  # it left or stopped waiting; its final commit or abort releases the pins
+        seq.lookup_deadline = None
+        if hit.blocks:
+            seq.kv_len = seq.hit_tokens = hit.blocks * self.block_size
+            seq.hit = hit.source
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor:
         """Prefills the next `n` prompt tokens (worker thread); returns the last position's logits."""
@@ -294,15 +328,19 @@ class Generator(Actor):
             self._leave(seq)
         else:
             self.in_flight.pop(handle.request_id, None)
-            if seq.looked_up and not seq.committed:
-                self.prefix_cache.send_nowait(Abort(handle.request_id))
-                seq.committed = True  # nothing more to release for it
+            self._close(seq)
         return False
 
     def _hashes(self, seq: Sequence, token_ids) -> list[bytes]:
         prompt = seq.job.prompt
         return sequence_block_hashes(self.adapter.model_sig, seq.handle.request.cache_salt, token_ids,
                                      prompt.spans, prompt.mm_keys, self.block_size)
+
+    def _commit_prompt(self, seq: Sequence) -> None:
+        """The prompt's full blocks, as soon as they are prefilled: requests waiting for them go on."""
+        if self.prefix_cache is not None and seq.prompt_hashes:
+            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, seq.prompt_hashes, self.batch.kv_of(seq)))
+            seq.looked_up = True
 
     def _commit(self, seq: Sequence) -> None:
         """Hands the full blocks of prompt and generated tokens to the prefix cache."""
@@ -311,6 +349,5 @@ class Generator(Actor):
         ids = (list(seq.job.prompt.input_ids) + seq.tokens)[: seq.kv_len]
         hashes = self._hashes(seq, ids)
         if hashes:
-            kv = self.batch.kv_of(seq)
-            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, tuple(hashes), kv))
-            seq.committed = True
+            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, tuple(hashes), self.batch.kv_of(seq)))
+            seq.closed = True

@@ -1,10 +1,13 @@
 """PrefixCacheManager actor: owns the KV block store and its tensor pool; the only code that
 assigns a slot.
 
-The generator asks it to `lookup` a prompt's block hashes (the hit prefix is pinned and its KV
-returned), `prepare`s a ticket (nothing consumed), and at the end `commit`s the sequence's full
-blocks (slots assigned now, LRU entries evicted and their stale entries erased) or `abort`s (pins
-released, nothing else changes). See DESIGN.md F2 and F3.
+The generator asks it to `lookup` a prompt's block hashes: the hit prefix is pinned and returned
+as a read-only view of its slots. A miss registers the request as computing the missing blocks
+(the "prepare" ticket: nothing is consumed); a later request missing the same blocks waits for
+that one's commit instead of computing them again (in-flight dedup), and computes them itself if
+it aborts or the wait times out. `commit` assigns slots (evicting LRU entries and erasing their
+stale hashes) to the sequence's full blocks; `abort` releases pins and changes nothing else. See
+DESIGN.md F2 and F3.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from transformers.cache_utils import Cache
 from mmserve.actors.base import Actor
 from mmserve.cache.block_hash import MMPlaceholder, block_hashes, root_hash
 from mmserve.cache.keys import key_prefix
+from mmserve.cache.inflight import InFlightBlocks
 from mmserve.cache.kv_store import KVBlockStore
 from mmserve.errors import MMServeError
 from mmserve.models.llava import ImageSpan, LlavaAdapter
@@ -54,25 +58,31 @@ class PinnedBlocks:
 
 @dataclass(frozen=True)
 class LookupResult:
+    """Manager → the lookup's `reply` channel: the request's cached prefix, pinned for it."""
+
+    request_id: str
     blocks: int
     source: PinnedBlocks | None = None
+    waited_s: float = 0.0  # time parked on another request computing the same blocks
 
 
 @dataclass(frozen=True)
 class Lookup:
+    """The longest cached prefix of `hashes`. On a miss the request is registered as computing the
+    missing blocks; when another request already is, the lookup waits for its commit (in-flight
+    dedup; `wait=False` answers at once)."""
+
     request_id: str
     hashes: tuple[bytes, ...]
-    reply: trio.MemorySendChannel
-
-
-@dataclass(frozen=True)
-class Prepare:
-    request_id: str
-    hashes: tuple[bytes, ...]
+    reply: trio.MemorySendChannel  # never closed by the manager (it may be the requester's inbox)
+    wait: bool = True
 
 
 @dataclass(frozen=True)
 class Commit:
+    """The sequence's full blocks, to be cached. Sent once the prompt is prefilled (so requests
+    waiting on those blocks proceed at once) and again at the end with the generated tokens'."""
+
     request_id: str
     hashes: tuple[bytes, ...]
     kv: KV
@@ -81,6 +91,13 @@ class Commit:
 @dataclass(frozen=True)
 class Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class Clear:
+    """Drops every entry nobody is reading (admin cache reset); replies with the count."""
+
+    reply: trio.MemorySendChannel
 
 
 def sequence_block_hashes(model_sig: int, cache_salt: str | None, token_ids, spans: tuple[ImageSpan, ...],
@@ -109,53 +126,81 @@ class PrefixCacheManager(Actor):
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.block_bytes = 2 * self.layers * self.kv_heads * self.block_size * self.head_dim * elem
         self.num_slots = max(0, config.budget_bytes // self.block_bytes)
+        self.wait_s = config.inflight_wait_s
+        self.dedup_waits = 0  # lookups that waited for another request's blocks
         self._reset()
 
     def _reset(self) -> None:
         """A fresh, empty store and pool (at start, and after a crash: never trust half-done state)."""
         self.store = KVBlockStore(self.num_slots)
+        self.inflight: InFlightBlocks[Lookup] = InFlightBlocks()
         # slots inside heads: gathering n slots of a layer yields [heads, n, block, dim], which is
         # already the [heads, n*block, dim] layout a KV cache needs — one copy, no re-layout
         shape = (self.layers, self.kv_heads, self.num_slots, self.block_size, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.pending: dict[str, trio.MemorySendChannel] = {}
 
     async def run(self) -> None:
         self._reset()
-        async for msg in self.inbox:
+        while True:
+            msg = None
+            with trio.move_on_at(self.inflight.next_deadline()):  # only the wait, never a handler
+                msg = await self.inbox.receive()
             self.progressed()
-            if isinstance(msg, Commit):
-                await afault("prefix.commit")
-            await self._handle(msg)
+            if msg is not None:
+                if isinstance(msg, Commit):
+                    await afault("prefix.commit")
+                await self._handle(msg)
+            for parked in self.inflight.expired(trio.current_time()):
+                self.log.info("prefix_cache.wait_expired", request_id=parked.waiter, owner=parked.owner)
+                self._lookup(parked.payload, waited_since=parked.deadline - self.wait_s, may_wait=False)
             self.progressed()
 
     async def _handle(self, msg) -> None:
         if isinstance(msg, Lookup):
-            try:
-                self._lookup(msg)
-            finally:
-                msg.reply.close()  # a lookup that failed half-way reads as a miss, never a hang
-        elif isinstance(msg, Prepare):
-            self.log.info("prefix_cache.prepare", request_id=msg.request_id, blocks=len(msg.hashes))
+            self._lookup(msg)
         elif isinstance(msg, Commit):
             await self._commit(msg)
+            self._done(msg.request_id)
         elif isinstance(msg, Abort):
             self.store.abort(msg.request_id)
             self.log.info("prefix_cache.abort", request_id=msg.request_id)
+            self._done(msg.request_id)
+        elif isinstance(msg, Clear):
+            n = self.store.clear()
+            self.log.info("prefix_cache.cleared", entries=n, kept_pinned=self.store.stats().pinned_slots)
+            _send(msg.reply, n)
         else:
             raise TypeError(f"prefix cache: unexpected message {msg!r}")
 
-    def _lookup(self, msg: Lookup) -> None:
-        slots = self.store.lookup(msg.hashes, msg.request_id) if self.num_slots else []
-        self.log.info("prefix_cache.lookup", request_id=msg.request_id, queried_blocks=len(msg.hashes),
+    def _lookup(self, msg: Lookup, waited_since: float | None = None, may_wait: bool = True) -> None:
+        rid, hashes = msg.request_id, msg.hashes
+        slots = self.store.lookup(hashes, rid) if self.num_slots else []
+        if len(slots) < len(hashes) and self.num_slots:
+            owner = self.inflight.owner_of(hashes[len(slots)])
+            if may_wait and msg.wait and self.wait_s > 0 and owner is not None and owner != rid:
+                self.store.release(rid)  # taken again when the lookup is answered
+                self.inflight.park(rid, owner, trio.current_time() + self.wait_s, msg)
+                self.dedup_waits += 1
+                self.log.info("prefix_cache.wait", request_id=rid, owner=owner, hit_blocks=len(slots),
+                              first_hash=key_prefix(hashes[len(slots)]))
+                return
+            registered = self.inflight.register(rid, hashes[len(slots):])
+            self.log.info("prefix_cache.prepare", request_id=rid, blocks=len(hashes) - len(slots),
+                          registered=registered)
+        waited = trio.current_time() - waited_since if waited_since is not None else 0.0
+        self.log.info("prefix_cache.lookup", request_id=rid, queried_blocks=len(hashes),
                       hit_blocks=len(slots), hit_tokens=len(slots) * self.block_size, slots=slots,
-                      first_hash=key_prefix(msg.hashes[0]) if msg.hashes else None)
+                      first_hash=key_prefix(hashes[0]) if hashes else None, waited_s=round(waited, 6))
         source = PinnedBlocks(self.keys, self.values, tuple(slots)) if slots else None
-        try:
-            msg.reply.send_nowait(LookupResult(len(slots), source))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.store.abort(msg.request_id)
+        if not _send(msg.reply, LookupResult(rid, len(slots), source, waited)):
+            self.store.abort(rid)
+            self._done(rid)
+
+    def _done(self, request_id: str) -> None:
+        """`request_id` computes nothing any more: lookups parked on it are answered again."""
+        for parked in self.inflight.done(request_id):
+            self._lookup(parked.payload, waited_since=parked.deadline - self.wait_s)
 
     async def _commit(self, msg: Commit) -> None:
         placed = self.store.commit(msg.hashes, msg.request_id) if self.num_slots else []
@@ -179,10 +224,22 @@ class PrefixCacheManager(Actor):
 
     def fail_in_flight(self, error: MMServeError) -> int:
         failed = super().fail_in_flight(error)
+        for parked in self.inflight.clear():  # answered as misses: nothing of this store is trusted
+            _send(parked.payload.reply, LookupResult(parked.waiter, 0))
         self._reset()  # pins of requests that will never finish are dropped with the store
         return failed
 
     def stats(self) -> dict:
         s = self.store.stats()
         return dict(s.__dict__, block_size=self.block_size, block_bytes=self.block_bytes,
+                    waiting_lookups=len(self.inflight), inflight_blocks=self.inflight.registered_blocks,
+                    dedup_waits=self.dedup_waits,
                     hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size)
+
+
+def _send(channel: trio.MemorySendChannel, message) -> bool:
+    try:
+        channel.send_nowait(message)
+        return True
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return False

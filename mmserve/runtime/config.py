@@ -139,6 +139,7 @@ class PrefixCacheConfig:
     enabled: bool = True
     block_size: int = 16
     budget_bytes: int = 256 * 1024 * 1024
+    inflight_wait_s: float = 10.0  # wait this long for blocks another request is computing; 0: never wait
 
 
 @dataclass(frozen=True)

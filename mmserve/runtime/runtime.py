@@ -221,7 +221,7 @@ class Runtime:
         actors = {}
         if pc.enabled:
             actors["prefix_cache"] = PrefixCacheManager(adapter, pc)
-        generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc.block_size,
+        generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc,
                               self.config.generator, self.metrics)
         actors["encoder"] = Encoder(adapter, generator.inbox_send, self.config.encoder_cache)
         actors["generator"] = generator
