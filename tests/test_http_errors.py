@@ -7,6 +7,8 @@ import struct
 import zlib
 
 import httpx
+import trio
+import trio.testing
 import pytest
 from PIL import Image
 
@@ -169,3 +171,51 @@ def test_api_keys_and_admin_endpoint(tiny_config):
 
 def test_admin_endpoints_disabled_without_admin_key(client):
     assert_error(client.get("/debug/cache"), 403, "forbidden")
+
+
+def test_admin_cache_reset_empties_both_caches_and_serving_goes_on(tiny_config):
+    config = tiny_config.replace(auth={"admin_key": "root"})
+    admin = {"Authorization": "Bearer root"}
+    with ServerThread(config) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        body = {"messages": colour_question("red"), "max_tokens": 3, "temperature": 0}
+        first = chat(c, body).json()
+        again = chat(c, body).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert_error(c.post("/admin/cache/reset"), 401)
+        assert_error(c.post("/admin/cache/reset", json={"caches": ["kv"]}, headers=admin), 400)
+        assert_error(c.post("/admin/cache/reset", json={"model": "nope"}, headers=admin), 404)
+        assert_error(c.post("/admin/cache/reset", content=b"[1]", headers=admin), 400)
+        r = c.post("/admin/cache/reset", headers=admin)
+        assert r.status_code == 200, r.text
+        dropped = r.json()["dropped"]["tiny"]
+        assert dropped["encoder"] == 1 and dropped["prefix"] >= 1
+        dbg = c.get("/debug/cache", headers=admin).json()["tiny"]
+        assert dbg["encoder_cache"]["entries"] == 0 and dbg["prefix_cache"]["entries"] == 0
+        after = chat(c, body).json()
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert after["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        only_prefix = c.post("/admin/cache/reset", json={"model": "tiny", "caches": ["prefix"]}, headers=admin).json()
+        assert set(only_prefix["dropped"]["tiny"]) == {"prefix"}
+        assert c.get("/debug/cache", headers=admin).json()["tiny"]["encoder_cache"]["entries"] == 1
+
+
+async def test_cache_reset_during_requests_keeps_what_they_use(tiny_config):
+    """Entries pinned by requests in flight survive a reset; everything ends consistent."""
+    from mmserve import Runtime
+    from mmserve.models.demo import render_image
+    from tests.helpers import ask
+
+    async with Runtime.open(tiny_config) as rt:
+        async def one(i):
+            await rt.chat_completion(ask(render_image("red", "circle", seed=i % 3)), temperature=0, max_tokens=8)
+
+        async with trio.open_nursery() as n:
+            for i in range(6):
+                n.start_soon(one, i)
+            for _ in range(4):
+                await rt.reset_caches()
+                await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked(cushion=0.02)
+        m = rt.registry.require("tiny")
+        m.prefix_cache.store.check_invariants()
+        assert not m.prefix_cache.store.owners() and m.encoder.cache.stats().pinned_entries == 0

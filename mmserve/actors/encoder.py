@@ -15,7 +15,7 @@ import torch
 import trio
 
 from mmserve.actors.base import Actor
-from mmserve.actors.messages import EncodeJob, GenerateJob
+from mmserve.actors.messages import ClearCache, EncodeJob, GenerateJob
 from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import key_prefix
 from mmserve.errors import MMServeError
@@ -57,21 +57,38 @@ class Encoder(Actor):
     async def _gather(self) -> list[EncodeJob]:
         """The next batch: every waiting job, and, if some need the tower, those arriving within
         the batch window (up to max_batch_images images)."""
-        jobs = [await self.inbox.receive()]
+        jobs: list[EncodeJob] = []
+        while not jobs:
+            self._take(jobs, await self.inbox.receive())
         self._drain(jobs)
         if self.config.batch_wait_ms > 0 and self._uncached(jobs) and self._images(jobs) < self.config.max_batch_images:
             with trio.move_on_after(self.config.batch_wait_ms / 1000):
                 while self._images(jobs) < self.config.max_batch_images:
-                    jobs.append(await self.inbox.receive())
+                    self._take(jobs, await self.inbox.receive())
                     self._drain(jobs)
         return jobs
 
     def _drain(self, jobs: list[EncodeJob]) -> None:
         while self._images(jobs) < self.config.max_batch_images:
             try:
-                jobs.append(self.inbox.receive_nowait())
+                self._take(jobs, self.inbox.receive_nowait())
             except trio.WouldBlock:
                 return
+
+    def _take(self, jobs: list[EncodeJob], msg) -> None:
+        """Adds a job to the batch; a control message is handled at once."""
+        if isinstance(msg, EncodeJob):
+            jobs.append(msg)
+        elif isinstance(msg, ClearCache):
+            dropped = self.cache.clear() if self.cache is not None else []
+            self.log.info("encoder_cache.cleared", entries=len(dropped), bytes=sum(n for _, n in dropped),
+                          kept_pinned=len(self.cache) if self.cache is not None else 0)
+            try:
+                msg.reply.send_nowait(len(dropped))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        else:
+            raise TypeError(f"encoder: unexpected message {msg!r}")
 
     def _uncached(self, jobs: list[EncodeJob]) -> bool:
         """Whether some image needs the tower (only then is waiting for company worth it)."""

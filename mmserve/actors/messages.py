@@ -108,6 +108,14 @@ class EncodeJob:
 
 
 @dataclass(frozen=True)
+class ClearCache:
+    """Admin → a cache-owning actor: drop every entry nobody is using right now (pinned entries
+    stay until released, so no request in flight loses data); the count dropped goes to `reply`."""
+
+    reply: trio.MemorySendChannel
+
+
+@dataclass(frozen=True)
 class GenerateJob:
     """Encoder → Generator: a prompt with one encoder output per image, ready to prefill."""
 

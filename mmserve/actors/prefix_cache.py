@@ -19,6 +19,7 @@ import trio
 from transformers.cache_utils import Cache
 
 from mmserve.actors.base import Actor
+from mmserve.actors.messages import ClearCache
 from mmserve.cache.block_hash import MMPlaceholder, block_hashes, root_hash
 from mmserve.cache.keys import key_prefix
 from mmserve.cache.inflight import InFlightBlocks
@@ -93,13 +94,6 @@ class Abort:
     request_id: str
 
 
-@dataclass(frozen=True)
-class Clear:
-    """Drops every entry nobody is reading (admin cache reset); replies with the count."""
-
-    reply: trio.MemorySendChannel
-
-
 def sequence_block_hashes(model_sig: int, cache_salt: str | None, token_ids, spans: tuple[ImageSpan, ...],
                           mm_keys: tuple[bytes | None, ...], block_size: int) -> list[bytes]:
     """Chained hashes of the full blocks of `token_ids`. Blocks from the first one that reaches an
@@ -166,7 +160,7 @@ class PrefixCacheManager(Actor):
             self.store.abort(msg.request_id)
             self.log.info("prefix_cache.abort", request_id=msg.request_id)
             self._done(msg.request_id)
-        elif isinstance(msg, Clear):
+        elif isinstance(msg, ClearCache):
             n = self.store.clear()
             self.log.info("prefix_cache.cleared", entries=n, kept_pinned=self.store.stats().pinned_slots)
             _send(msg.reply, n)

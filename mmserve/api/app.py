@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 from mmserve.errors import BadRequest, Forbidden, InternalError, MMServeError, PayloadTooLarge, Unauthorized
 from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mmserve.runtime.runtime import ChatStream, Delta, Runtime, new_request_id, usage_json
+from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, new_request_id, usage_json
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 log = get_logger("http")
@@ -50,7 +50,7 @@ def create_app(rt: Runtime) -> QuartTrio:
         incoming = request.headers.get("x-request-id", "")
         g.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
         try:
-            if request.path.startswith("/debug/"):
+            if request.path.startswith(("/debug/", "/admin/")):
                 _require_admin(admin_key)
             elif api_keys and request.path.startswith("/v1/"):
                 if not _matches(_bearer(), api_keys):
@@ -89,6 +89,21 @@ def create_app(rt: Runtime) -> QuartTrio:
     @app.get("/debug/cache")
     async def debug_cache():
         return rt.debug_cache()
+
+    @app.post("/admin/cache/reset")
+    async def reset_caches():
+        """Body (optional): {"model": name, "caches": ["encoder", "prefix"]}; default: all of both."""
+        raw = await _read_body(rt.config.server.max_body_bytes)
+        body = _json(raw) if raw.strip() else {}
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object like {\"model\": \"demo\", \"caches\": [\"prefix\"]}")
+        model, caches = body.get("model"), body.get("caches", list(CACHE_KINDS))
+        if model is not None and not isinstance(model, str):
+            raise BadRequest("'model' must be a string", param="model")
+        if not isinstance(caches, list) or not all(isinstance(c, str) for c in caches):
+            raise BadRequest(f"'caches' must be a list drawn from {list(CACHE_KINDS)}", param="caches")
+        dropped = await rt.reset_caches(model, tuple(caches))
+        return {"object": "cache.reset", "dropped": dropped}
 
     @app.get("/v1/models")
     async def models():

@@ -24,14 +24,16 @@ from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
 from mmserve.actors.prefix_cache import PrefixCacheManager
-from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
-from mmserve.errors import DeadlineExceeded, MMServeError, Overloaded, ServiceUnavailable
+from mmserve.actors.messages import ClearCache, ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
+from mmserve.errors import BadRequest, DeadlineExceeded, MMServeError, Overloaded, ServiceUnavailable
 from mmserve.logs import get_logger
 from mmserve.runtime.config import Config, load_config
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.request import ChatRequest, parse_chat_request
 from mmserve.runtime.supervisor import Health, Supervisor
+
+CACHE_KINDS = ("encoder", "prefix")  # what POST /admin/cache/reset can empty
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,38 @@ class Runtime:
                                              oldest=[s._asdict() for s in snap[:oldest]])
             out[name] = entry
         return out
+
+    async def reset_caches(self, model: str | None = None, caches: tuple[str, ...] = CACHE_KINDS,
+                           timeout_s: float = 10.0) -> dict:
+        """Empties the encoder and/or prefix caches of `model` (every loaded model if None).
+
+        Each cache's owning actor does it between its own steps, so nothing in flight is torn:
+        entries pinned by running requests stay until released. Returns the entries dropped per
+        model and cache. A model that is not loaded has nothing cached."""
+        unknown = sorted(set(caches) - set(CACHE_KINDS))
+        if unknown or not caches:
+            raise BadRequest(f"caches must be a non-empty list of {', '.join(CACHE_KINDS)}; got {list(caches)!r}",
+                             param="caches")
+        if model is not None:
+            self.registry.configured(model)  # ModelNotFound for a name that is not configured
+        out = {}
+        for name, m in list(self.registry.loaded.items()):
+            if model is not None and name != model:
+                continue
+            owners = {"encoder": m.encoder, "prefix": m.prefix_cache}
+            out[name] = {kind: await self._clear(owners[kind], timeout_s) for kind in caches}
+        self.log.info("runtime.caches_reset", models=sorted(out), caches=list(caches), dropped=out)
+        return out
+
+    async def _clear(self, actor, timeout_s: float) -> int | None:
+        """Entries `actor` dropped; None when that cache is disabled."""
+        if actor is None or getattr(actor, "cache", True) is None:
+            return None
+        send, receive = trio.open_memory_channel(1)
+        actor.inbox_send.send_nowait(ClearCache(send))
+        with trio.move_on_after(timeout_s):
+            return await receive.receive()
+        raise ServiceUnavailable(f"{actor.name} did not answer the cache reset within {timeout_s} s; retry shortly")
 
     def parse(self, body: dict) -> ChatRequest:
         """Validates an OpenAI-shaped request body (raises a typed 4xx error)."""
