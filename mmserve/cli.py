@@ -59,11 +59,27 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from mmserve.bench import PARAMS, run_bench
 
-    report = run_bench(args.out, PARAMS["quick" if args.quick else "full"], model_dir=args.model_dir)
+    params = PARAMS["quick" if args.quick else "full"]
+    if args.scenarios:
+        params = replace(params, scenarios=args.scenarios)
+    report = run_bench(args.out, params, model_dir=args.model_dir)
     print(report["paths"]["md"])
     return 0 if all(r.get("status") in ("ok", "skipped") for r in report["scenarios"].values()) else 1
+
+
+def _scenario_list(text: str) -> tuple[str, ...]:
+    from mmserve.bench.params import ALL_SCENARIOS
+
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(ALL_SCENARIOS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; "
+                                         f"choose from {', '.join(ALL_SCENARIOS)}")
+    return tuple(n for n in ALL_SCENARIOS if n in names)
 
 
 def _trace(args: argparse.Namespace) -> int:
@@ -105,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "<out>/bench-model, reused when present)")
     b.add_argument("--out", default="bench-out", help="where report.json, report.md and report.png go")
     b.add_argument("--quick", action="store_true", help="fewer tokens, levels and turns (a few minutes)")
+    b.add_argument("--scenarios", type=_scenario_list, help="run only these, comma-separated, in the usual order: "
+                   "decode, concurrency, multiturn, same_image, three_images, peer (default: all)")
     b.set_defaults(func=_bench)
     tr = sub.add_parser("trace", help="one request's timeline across actors, from a JSON log")
     tr.add_argument("request_id")

@@ -43,18 +43,23 @@ def _toml_value(v) -> str:
     return json.dumps(str(v))
 
 
+def _toml_table(header: str, name: str, values: dict, lines: list[str]) -> None:
+    """`values` under `header` (e.g. "[limits]"), nested sections as sub-tables ("[limits.x]")."""
+    lines.append(header)
+    lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None and not isinstance(v, dict)]
+    for k, v in values.items():
+        if isinstance(v, dict):
+            _toml_table(f"[{name}.{k}]", f"{name}.{k}", v, lines)
+
+
 def config_toml(config: Config) -> str:
     """The config as a TOML file `mmserve serve --config` reads back to the same Config."""
-    lines = []
+    lines: list[str] = []
     for f in dataclasses.fields(config):
-        section = getattr(config, f.name)
-        if f.name == "models":
-            continue
-        lines.append(f"[{f.name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(section).items() if v is not None]
+        if f.name != "models":
+            _toml_table(f"[{f.name}]", f.name, dataclasses.asdict(getattr(config, f.name)), lines)
     for m in config.models:
-        lines.append("[[models]]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(m).items() if v is not None]
+        _toml_table("[[models]]", "models", dataclasses.asdict(m), lines)
     return "\n".join(lines) + "\n"
 
 
