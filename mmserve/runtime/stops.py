@@ -10,13 +10,20 @@ from typing import Callable, Sequence
 
 
 class TextAssembler:
-    """Turns a growing list of token ids into text deltas, honouring stop strings."""
+    """Turns a growing list of token ids into text deltas, honouring stop strings.
+
+    Detokenization is incremental (as in vLLM): each token decodes only a short window of recent
+    ids, never the whole answer again, so a long generation costs the same per token at its end
+    as at its start (this runs on the event loop, once per token per sequence)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), lead: str = ""):
         self._decode = decode
         self._lead = lead
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []
+        self._prefix = 0  # window start: ids before it are final text
+        self._read = 0    # ids up to here are already in `_raw`
+        self._raw = ""    # everything decoded so far, lead included
         self._emitted = 0
         self.stopped = False
         self.text = ""
@@ -24,11 +31,18 @@ class TextAssembler:
     def add(self, token_id: int) -> str:
         """Adds one token; returns the text that is now safe to show (maybe empty)."""
         self._ids.append(token_id)
-        text = self._decode(self._ids)
-        if self._lead and text.startswith(self._lead):
-            text = text[len(self._lead):]
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait for more
+        self._raw += after[len(before):]
+        self._prefix, self._read = self._read, len(self._ids)
+        text = self._raw
+        if self._lead:
+            if len(text) < len(self._lead) and self._lead.startswith(text):
+                return ""  # maybe the lead, not known yet
+            if text.startswith(self._lead):
+                text = text[len(self._lead):]
         self.text = text
         for s in self._stop:
             idx = text.find(s, max(0, self._emitted - len(s) + 1))
