@@ -19,7 +19,7 @@ class BenchParams:
     decode_repeats: int = 3
     # 2. concurrency sweep
     levels: tuple[int, ...] = (1, 2, 4, 8, 16)
-    sweep_tokens: int = 32
+    sweep_tokens: int = 128  # a typical chat answer; with short answers the prompt prefill dominates
     health_interval_s: float = 0.02
     # 3. multi-turn image chat
     turns: int = 6
@@ -35,7 +35,7 @@ class BenchParams:
 
 
 FULL = BenchParams("full")
-QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=2, levels=(1, 4, 8), sweep_tokens=16,
+QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=2, levels=(1, 4, 8), sweep_tokens=64,
                 turns=4, turn_tokens=16, conversations=1, ref_repeats=2, answer_tokens=8, image_repeats=2)
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
                levels=(1, 2), sweep_tokens=4, turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4)

@@ -22,6 +22,10 @@ def _at_most(value: float, target: float) -> bool | None:
     return None if value != value else bool(value <= target)  # NaN: unknown
 
 
+def _at_least(value: float, target: float) -> bool | None:
+    return None if value != value else bool(value >= target)
+
+
 # -- 1. single-stream decode -------------------------------------------------------------------
 
 async def decode(b: Bench) -> dict:
@@ -37,8 +41,8 @@ async def decode(b: Bench) -> dict:
             runs["hf"].append(hf.generate(msgs, p.decode_tokens))
     tps = {k: median(t.decode_tps for t in v) for k, v in runs.items()}
     ttft = {k: median(t.ttft for t in v) for k, v in runs.items()}
-    rows = [row("1 decode", f"decode tok/s, {k}", tps[k], "tok/s", tps["hf"], ratio(tps[k], tps["hf"]))
-            for k in ("embedded", "http")]
+    rows = [row("1 decode", f"decode tok/s, {k}", tps[k], "tok/s", tps["hf"], ratio(tps[k], tps["hf"]),
+                "≥ 0.95", _at_least(ratio(tps[k], tps["hf"]), 0.95)) for k in ("embedded", "http")]
     rows += [row("1 decode", f"TTFT, {k}", ttft[k], "s", ttft["hf"], ratio(ttft[k], ttft["hf"]))
              for k in ("embedded", "http")]
     return {"new_tokens": p.decode_tokens, "decode_tps": tps, "ttft_s": ttft,
@@ -130,8 +134,9 @@ def _concurrency_rows(levels: list[dict], idle: dict) -> list[dict]:
     rows = []
     for lv in levels:
         n, hf = lv["concurrency"], lv["hf"]
-        rows.append(row("2 concurrency", f"aggregate tok/s @{n}", lv["agg_tps"], "tok/s", hf["agg_tps"],
-                        lv["ratio_agg_tps"]))
+        target = ("≥ 2.5", _at_least(lv["ratio_agg_tps"], 2.5)) if n == 8 else (None, None)
+        rows.append(row("2 concurrency", f"aggregate tok/s @{n} vs sequential HF", lv["agg_tps"], "tok/s",
+                        hf["agg_tps"], lv["ratio_agg_tps"], *target))
         rows.append(row("2 concurrency", f"TTFT p50 @{n}", lv["ttft_p50_s"], "s", hf["ttft_p50_s"],
                         ratio(lv["ttft_p50_s"], hf["ttft_p50_s"])))
         rows.append(row("2 concurrency", f"TTFT p99 @{n}", lv["ttft_p99_s"], "s", hf["ttft_p99_s"],
@@ -139,7 +144,8 @@ def _concurrency_rows(levels: list[dict], idle: dict) -> list[dict]:
         if "health" in lv:
             h = lv["health"]
             rows.append(row("2 concurrency", f"/health p99 @{n} vs idle ({h['polls']} polls, max {h['max_ms']:.0f} ms, "
-                            f"{h['non_200']} not 200)", h["p99_ms"], "ms", idle["p99_ms"], ratio(h["p99_ms"], idle["p99_ms"])))
+                            f"{h['non_200']} not 200)", h["p99_ms"], "ms", idle["p99_ms"], ratio(h["p99_ms"], idle["p99_ms"]),
+                            "< 50 ms", bool(h["p99_ms"] < 50 and not h["non_200"])))
     return rows
 
 
