@@ -186,8 +186,17 @@ def _plot_multiturn(ax, d: dict) -> None:
     ax.legend()
 
 
+def _ratio_target(r: dict) -> float | None:
+    """The number in a ratio target like "≤ 0.25" (None for absolute ones like "< 50 ms")."""
+    try:
+        return float((r["target"] or "").split()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
 def _plot_targets(ax, rows: list[dict]) -> None:
-    rows = [r for r in rows if r["target"] and isinstance(r["ratio"], float) and not math.isnan(r["ratio"])]
+    rows = [r for r in rows if _ratio_target(r) is not None and isinstance(r["ratio"], float)
+            and not math.isnan(r["ratio"])]
     if not rows:
         return _empty(ax, "ratios vs targets")
     labels = [textwrap.fill(f"{r['scenario'].split()[0]}. {r['metric']}", 34) for r in rows]
@@ -195,7 +204,7 @@ def _plot_targets(ax, rows: list[dict]) -> None:
     y = range(len(rows))
     ax.barh(list(y), [r["ratio"] for r in rows], color=colors)
     for i, r in enumerate(rows):
-        ax.plot([float(r["target"].split()[-1])] * 2, [i - 0.4, i + 0.4], "k-")
+        ax.plot([_ratio_target(r)] * 2, [i - 0.4, i + 0.4], "k-")
     ax.set_yticks(list(y), labels, fontsize=6.5)
     ax.invert_yaxis()
     ax.set_xlabel("ratio (black line: target; green: met)")
