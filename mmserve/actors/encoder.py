@@ -21,6 +21,7 @@ from mmserve.cache.keys import key_prefix
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter, PromptInputs
 from mmserve.runtime.config import EncoderCacheConfig
+from mmserve.runtime import compute
 from mmserve.runtime.faults import fault
 
 
@@ -143,7 +144,7 @@ class Encoder(Actor):
         n = self.config.max_batch_images
         for start in range(0, len(misses), n):
             chunk = misses[start:start + n]
-            outputs = await trio.to_thread.run_sync(self._forward, chunk, abandon_on_cancel=True)
+            outputs = await compute.run(self._forward, chunk, abandon_on_cancel=True)
             self.encoder_runs += 1
             self.items_encoded += len(chunk)
             self.log.info("encoder.batch", items=len(chunk),

@@ -23,6 +23,7 @@ from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, Pin
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime.config import GeneratorConfig, PrefixCacheConfig
+from mmserve.runtime import compute
 from mmserve.runtime.faults import fault
 from mmserve.runtime.sampling import make_generator, sample
 from mmserve.runtime.stops import TextAssembler
@@ -196,7 +197,7 @@ class Generator(Actor):
                 break
             chunk = min(budget, seq.prompt_len - seq.kv_len)
             t0 = time.monotonic()
-            logits = await trio.to_thread.run_sync(self._prefill_chunk, seq, chunk, abandon_on_cancel=True)
+            token = await compute.run(self._prefill_chunk, seq, chunk, abandon_on_cancel=True)
             budget -= chunk
             self.log.info("generator.prefill", request_id=seq.handle.request_id, tokens=chunk,
                           start=seq.kv_len - chunk, cached_tokens=seq.hit_tokens, done=seq.prefilled,
@@ -204,7 +205,6 @@ class Generator(Actor):
             if seq.prefilled:
                 self.waiting.remove(seq)
                 self._commit_prompt(seq)
-                token = self._sample(seq, logits)
                 if self._accept(seq, token):
                     self.batch.set_members([*self.batch.members, seq])
 
@@ -233,8 +233,9 @@ class Generator(Actor):
             seq.kv_len = seq.hit_tokens = hit.blocks * self.block_size
             seq.hit = hit.source
 
-    def _prefill_chunk(self, seq: Sequence, n: int) -> torch.Tensor:
-        """Prefills the next `n` prompt tokens (worker thread); returns the last position's logits."""
+    def _prefill_chunk(self, seq: Sequence, n: int) -> int | None:
+        """Prefills the next `n` prompt tokens (compute thread); once the whole prompt is in,
+        returns the first sampled token."""
         if seq.embeds is None:
             seq.embeds = self._suffix_embeds(seq)
         if seq.cache is None:
@@ -245,9 +246,10 @@ class Generator(Actor):
         offset = seq.kv_len - seq.hit_tokens
         out = self.adapter.prefill(seq.embeds[:, offset:offset + n], seq.cache, start=seq.kv_len)
         seq.kv_len += n
-        if seq.prefilled:
-            seq.embeds = None
-        return out.logits[0]
+        if not seq.prefilled:
+            return None
+        seq.embeds = None
+        return self._sample(seq, out.logits[0])
 
     def _suffix_embeds(self, seq: Sequence) -> torch.Tensor:
         """Embeddings of the prompt after the cached prefix; an image cut by the hit boundary gets
@@ -264,7 +266,7 @@ class Generator(Actor):
 
     async def _decode_round(self) -> None:
         members = list(self.batch.members)
-        tokens = await trio.to_thread.run_sync(self._decode_step, members, abandon_on_cancel=True)
+        tokens = await compute.run(self._decode_step, members, abandon_on_cancel=True)
         self.steps += 1
         self.log.debug("generator.step", batch=len(members), request_ids=[m.handle.request_id for m in members])
         finished = [seq for seq, token in zip(members, tokens) if not self._accept(seq, token)]

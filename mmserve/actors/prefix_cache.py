@@ -27,6 +27,7 @@ from mmserve.cache.kv_store import KVBlockStore
 from mmserve.errors import MMServeError
 from mmserve.models.llava import ImageSpan, LlavaAdapter
 from mmserve.runtime.config import PrefixCacheConfig
+from mmserve.runtime import compute
 from mmserve.runtime.faults import afault
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), [1, heads, seq, dim]
@@ -131,8 +132,10 @@ class PrefixCacheManager(Actor):
         # slots inside heads: gathering n slots of a layer yields [heads, n, block, dim], which is
         # already the [heads, n*block, dim] layout a KV cache needs — one copy, no re-layout
         shape = (self.layers, self.kv_heads, self.num_slots, self.block_size, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # empty, not zeros: a slot is written before any entry names it, and filling the pool
+        # here, on the event loop, would start a parallel op outside the compute thread
+        self.keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     async def run(self) -> None:
         self._reset()
@@ -203,7 +206,7 @@ class PrefixCacheManager(Actor):
                 self.log.info("prefix_cache.stale_entry_dropped", request_id=msg.request_id, slot=slot,
                               hash=key_prefix(evicted))
         if placed:
-            await trio.to_thread.run_sync(self._write, msg.kv, placed)
+            await compute.run(self._write, msg.kv, placed)
         self.store.release(msg.request_id)
         self.log.info("prefix_cache.commit", request_id=msg.request_id, blocks=len(msg.hashes),
                       new_blocks=len(placed), slots=[s for _, s, _ in placed])

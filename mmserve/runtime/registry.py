@@ -15,6 +15,7 @@ from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.errors import ModelNotFound, ServiceUnavailable
 from mmserve.logs import get_logger
 from mmserve.models.llava import LlavaAdapter
+from mmserve.runtime import compute
 from mmserve.runtime.config import Config, ModelConfig
 from mmserve.runtime.supervisor import Supervisor
 
@@ -96,7 +97,7 @@ class ModelRegistry:
             self._make_room()
             rc = self.config.runtime
             t0 = time.monotonic()
-            adapter = await trio.to_thread.run_sync(
+            adapter = await compute.run(
                 lambda: LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype))
             model = LoadedModel(mc, adapter, self.build_actors(adapter))
             for role, actor in model.actors.items():

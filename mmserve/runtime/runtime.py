@@ -27,6 +27,7 @@ from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.actors.messages import ClearCache, ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
 from mmserve.errors import BadRequest, DeadlineExceeded, MMServeError, Overloaded, ServiceUnavailable
 from mmserve.logs import get_logger
+from mmserve.runtime import compute
 from mmserve.runtime.config import Config, load_config
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
@@ -197,6 +198,7 @@ class Runtime:
             config = load_config(config)
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
+            compute.configure(config.runtime.torch_threads)
         body_error: Exception | None = None
         async with trio.open_nursery() as nursery:
             rt = cls(config, nursery)

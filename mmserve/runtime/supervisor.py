@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from mmserve.runtime import compute
 from mmserve.actors.base import Actor
 from mmserve.errors import ServiceUnavailable
 from mmserve.logs import get_logger
@@ -75,6 +76,8 @@ class Supervisor:
                     state.stalled = True
                     state.alive = False
                     state.run_scope.cancel()
+                    if compute.busy_for() > limit:  # the hung step holds the compute thread
+                        compute.replace(f"{state.key} stalled in a model step")
 
     def start(self, actor: Actor, key: str) -> None:
         """Starts supervising `actor` under the name `key` (e.g. `generator[demo]`)."""
