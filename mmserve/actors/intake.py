@@ -92,6 +92,15 @@ def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: L
     return prompt
 
 
+def _decode_and_prepare(adapter: LlavaAdapter, request: ChatRequest, limits: LimitsConfig, fetched):
+    """Both steps in one worker-thread hop: (prompt, decode seconds, preprocess seconds)."""
+    t0 = time.monotonic()
+    images = decode_images(request, limits, fetched)
+    t1 = time.monotonic()
+    prompt = prepare(adapter, request, images, limits)
+    return prompt, t1 - t0, time.monotonic() - t1
+
+
 class Intake(Actor):
     name = "intake"
     ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
@@ -170,14 +179,11 @@ class Intake(Actor):
                 log.info("intake.aborted")
                 return
         t0 = time.monotonic()
-        images = await trio.to_thread.run_sync(decode_images, request, self.limits, fetched, limiter=self.limiter)
-        t1 = time.monotonic()
-        if not handle.active:
-            log.info("intake.aborted")
-            return
-        prompt = await trio.to_thread.run_sync(prepare, adapter, request, images, self.limits, limiter=self.limiter)
-        log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(images),
+        prompt, decode_s, preprocess_s = await trio.to_thread.run_sync(
+            _decode_and_prepare, adapter, request, self.limits, fetched, limiter=self.limiter)
+        log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(prompt.spans),
                  queued_s=round(t_fetch - handle.created, 6), fetch_s=round(t0 - t_fetch, 6),
-                 decode_s=round(t1 - t0, 6), preprocess_s=round(time.monotonic() - t1, 6))
+                 decode_s=round(decode_s, 6), preprocess_s=round(preprocess_s, 6),
+                 hop_s=round(time.monotonic() - t0 - decode_s - preprocess_s, 6))
         if handle.active:
             encoder_inbox.send_nowait(EncodeJob(handle, prompt))

@@ -136,13 +136,19 @@ class LlavaAdapter:
         counts = self._image_token_counts(images)
         if counts is None:
             return self.preprocess(messages, images)
-        text = self.render_prompt(messages)
-        token = self.processor.image_token
-        pieces = text.split(token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the prompt has {len(pieces) - 1} image placeholders for {len(images)} images")
-        expanded = "".join(p + token * n for p, n in zip(pieces, counts)) + pieces[-1]
-        input_ids = tuple(int(t) for t in self.tokenizer([expanded])["input_ids"][0])
+        # the image token is special, so it splits the text before the tokenizer's own rules run:
+        # one placeholder per image tokenizes like the processor's expanded text, then its id is
+        # repeated (tokenizing hundreds of placeholder strings costs more than the rest together)
+        compact = self.tokenizer([self.render_prompt(messages)])["input_ids"][0]
+        where = [i for i, t in enumerate(compact) if t == self.image_token_id]
+        if len(where) != len(images):
+            raise ValueError(f"the prompt has {len(where)} image placeholders for {len(images)} images")
+        input_ids: list[int] = []
+        start = 0
+        for i, n in zip(where, counts):
+            input_ids += compact[start:i] + [self.image_token_id] * n
+            start = i + 1
+        input_ids = tuple(int(t) for t in input_ids + compact[start:])
         spans = self.image_spans(input_ids, len(images))
         return PromptInputs(input_ids, None, spans, images=tuple(images))
 
