@@ -125,3 +125,16 @@ async def test_deadline_aborts_a_request_that_runs_too_long(tiny_config):
         await wait_until(lambda: not rt.registry.require("tiny").generator.running)
         c = await rt.chat_completion(colour_question("red"), max_tokens=3, temperature=0)
         assert c.usage.completion_tokens >= 1
+
+
+async def test_the_first_token_is_announced_even_when_its_text_is_held_back(rt):
+    """A stop string that might start with the first token's text holds that text back; the
+    caller still learns at once that the first token exists (an empty first delta)."""
+    msgs = colour_question("red")
+    full = (await rt.chat_completion(msgs, temperature=0, max_tokens=6, min_tokens=6)).text
+    assert full
+    deltas = []
+    async with rt.chat(msgs, temperature=0, max_tokens=6, min_tokens=6, stop=[full[0] + "\x00"]) as stream:
+        async for delta in stream:
+            deltas.append(delta.text)
+    assert deltas[0] == "" and "".join(deltas) == full

@@ -299,7 +299,9 @@ class Generator(Actor):
             return self._finish(seq, "stop")
         seq.tokens.append(token)
         text = seq.assembler.add(token)
-        if text and not handle.emit(TokenEvent(text, token)):
+        # the first token is always announced (its text may be held back, e.g. a leading space):
+        # callers see the first token when it exists, and a client gone by then is noticed
+        if (text or len(seq.tokens) == 1) and not handle.emit(TokenEvent(text, token)):
             return self._finish(seq, None)
         if seq.assembler.stopped:
             return self._finish(seq, "stop")

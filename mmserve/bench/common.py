@@ -92,10 +92,13 @@ class _Clock:
         self.first = self.last = None
         self.deltas: list[str] = []
 
-    def text(self, text: str) -> None:
+    def text(self, text: str, token: bool = False) -> None:
+        """A delta arrived; `token`: it stands for a generated token even when its text is empty
+        (the embedded API announces the first token at once, even if its text is held back)."""
+        if text or token:
+            self.first = self.first or perf_counter()
         if text:
             self.deltas.append(text)
-            self.first = self.first or perf_counter()
 
     def finish(self, usage: dict, at: float | None = None) -> Timing:
         """The timing, the last token having come at `at` (default: now)."""
@@ -117,7 +120,7 @@ async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = N
     clock = _Clock()
     async with rt.chat(messages, **sampling(tokens, salt)) as stream:
         async for delta in stream:
-            clock.text(delta.text)
+            clock.text(delta.text, token=delta.finish_reason is None)
             if delta.finish_reason is not None:
                 return clock.finish(usage_json(delta.usage))
     raise RuntimeError("the stream ended without a finish reason")

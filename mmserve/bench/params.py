@@ -24,7 +24,7 @@ class BenchParams:
     # 3. multi-turn image chat
     turns: int = 6
     turn_tokens: int = 24
-    conversations: int = 2
+    conversations: int = 4
     ref_repeats: int = 3
     # 4./5. same image new question; three images in a row
     answer_tokens: int = 16

@@ -39,7 +39,8 @@ CACHE_KINDS = ("encoder", "prefix")  # what POST /admin/cache/reset can empty
 
 @dataclass(frozen=True)
 class Delta:
-    """One piece of a streamed answer. The last delta has a finish_reason and the usage."""
+    """One piece of a streamed answer. The last delta has a finish_reason and the usage. The first
+    delta comes with the first generated token, so its text may be empty (whitespace held back)."""
 
     text: str
     finish_reason: str | None = None
