@@ -112,3 +112,21 @@ def test_http_health_and_sse_error_on_a_crash(tiny_config):
             assert ok.status_code == 200
         finally:
             os.environ.pop("MMSERVE_FAULT_HANG_S", None)
+
+
+async def test_a_lookup_without_answer_becomes_a_miss_in_time(tiny_config, monkeypatch):
+    """The prefix-cache manager is stuck in a commit: a later request's lookup gets no answer,
+    and after `inflight_wait_s + lookup_timeout_s` the request is prefilled in full instead."""
+    monkeypatch.setenv("MMSERVE_FAULT_HANG_S", "2")
+    config = cfg(tiny_config).replace(prefix_cache={"inflight_wait_s": 0.2}, generator={"lookup_timeout_s": 0.3})
+    async with Runtime.open(config) as rt:
+        msgs = ask(render_image("blue", "circle", seed=4))
+        faults.configure("prefix.commit=hang@1")
+        first = await rt.chat_completion(msgs, temperature=0, max_tokens=4)  # its prompt commit hangs
+        t0 = trio.current_time()
+        second = await rt.chat_completion(msgs, temperature=0, max_tokens=4)
+        waited = trio.current_time() - t0
+        assert second.text == first.text and second.usage.cached_tokens == 0
+        assert 0.5 <= waited < 1.8
+        await trio.sleep(2)  # the hang ends; the manager catches up with its inbox
+        await assert_consistent(rt)

@@ -94,6 +94,8 @@ async def soak(demo_config, n, seed=0):
             assert model.encoder.stats()["pinned_entries"] == 0, name
             model.prefix_cache.store.check_invariants()
             assert not model.prefix_cache.store.owners(), name
+            inflight = model.prefix_cache.inflight
+            assert len(inflight) == 0 and inflight.registered_blocks == 0, name  # no waiter, no registration left
     print("soak:", {k: (len(v) if isinstance(v, list) else v) for k, v in results.items()})
     assert not results["mismatch"], results["mismatch"][:5]
     assert results["ok"] + results["failed"] + results["disconnected"] == n  # every request ended

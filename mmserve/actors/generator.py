@@ -118,7 +118,7 @@ class Generator(Actor):
         (or for the earliest lookup deadline, waking at least once a second to show liveness)."""
         if not self.batch.members and not self._prefillable():
             deadlines = [s.lookup_deadline for s in self.waiting if s.lookup_deadline is not None]
-            with trio.move_on_at(min(deadlines, default=trio.current_time() + 1.0)):
+            with trio.move_on_at(min([*deadlines, trio.current_time() + 1.0])):
                 self._on_message(await self.inbox.receive())
         while True:
             try:
