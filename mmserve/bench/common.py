@@ -129,6 +129,11 @@ async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = N
 async def timed_http(client, url: str, messages: list[dict], tokens: int, salt: str | None = None) -> Timing:
     """One streaming request over the OpenAI-compatible HTTP API (httpx on trio)."""
     body = dict(sampling(tokens, salt), messages=messages, stream=True, stream_options={"include_usage": True})
+    return await timed_sse(client, url, body)
+
+
+async def timed_sse(client, url: str, body: dict) -> Timing:
+    """One streamed chat completion to any OpenAI-compatible server, timed from the request."""
     clock, finished, usage = _Clock(), None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:
         if r.status_code != 200:
@@ -146,7 +151,7 @@ async def timed_http(client, url: str, messages: list[dict], tokens: int, salt: 
             usage = chunk.get("usage") or usage
     if finished is None or usage is None:
         raise RuntimeError("the stream ended without a finish reason or usage")
-    return clock.finish(usage, at=finished)
+    return clock.finish({"prompt_tokens_details": {"cached_tokens": 0}, **usage}, at=finished)
 
 
 # -- statistics ------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import AsyncIterator
 import httpx
 import trio
 
-from mmserve.bench.common import Timing, _Clock
+from mmserve.bench.common import Timing, timed_sse
 
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 15
@@ -140,25 +140,7 @@ def request_body(model: str, messages: list[dict], tokens: int) -> dict:
 
 async def timed_peer(client: httpx.AsyncClient, url: str, messages: list[dict], tokens: int, *, model: str) -> Timing:
     """One streaming request to `transformers serve`, timed exactly like `common.timed_http`."""
-    clock, finished, usage = _Clock(), None, None
-    async with client.stream("POST", url + "/v1/chat/completions", json=request_body(model, messages, tokens),
-                             timeout=None) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            for choice in chunk["choices"]:
-                clock.text(choice["delta"].get("content") or "")
-                if choice.get("finish_reason"):
-                    finished = perf_counter()
-            usage = chunk.get("usage") or usage
-    if finished is None or usage is None:
-        raise RuntimeError("the stream ended without a finish reason or usage")
-    return clock.finish({"prompt_tokens_details": {"cached_tokens": 0}, **usage}, at=finished)
+    return await timed_sse(client, url, request_body(model, messages, tokens))
 
 
 def describe(model_dir: Path) -> dict:
