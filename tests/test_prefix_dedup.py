@@ -209,3 +209,25 @@ async def test_concurrent_requests_sharing_a_prefix_compute_it_once(tiny_config)
     hits = sorted(c for _, _, c in on)
     assert hits[0] == 0 and all(c > 0 for c in hits[1:]), hits  # one computed, the others reused
     assert stats["dedup_waits"] >= 1
+
+
+async def test_a_commit_without_free_slots_logs_the_eviction(adapter):
+    from structlog.testing import capture_logs
+
+    block_bytes = PrefixCacheManager(adapter, PrefixCacheConfig(block_size=4, budget_bytes=1)).block_bytes
+    other = [bytes([9, i]) * 8 for i in range(4)]
+    async with trio.open_nursery() as nursery:
+        m = PrefixCacheManager(adapter, PrefixCacheConfig(block_size=4, budget_bytes=4 * block_bytes))
+        nursery.start_soon(m.run)
+        with capture_logs() as logs:
+            m.inbox_send.send_nowait(Commit("a", HASHES, kv_for(adapter, 4, 4, seed=2)))
+            m.inbox_send.send_nowait(Commit("b", tuple(other[:2]), kv_for(adapter, 2, 4, seed=3)))
+            with trio.fail_after(5):  # the copies run on the compute thread
+                while m.store.stats().commits_blocks < 6 or m.store.owners():
+                    await trio.sleep(0.01)
+        evicts = [e for e in logs if e["event"] == "prefix_cache.evict"]
+        dropped = [e for e in logs if e["event"] == "prefix_cache.stale_entry_dropped"]
+        assert len(evicts) == 1 and evicts[0]["entries"] == 2 and len(dropped) == 2
+        assert sorted(evicts[0]["slots"]) == sorted(e["slot"] for e in dropped)
+        m.store.check_invariants()
+        nursery.cancel_scope.cancel()

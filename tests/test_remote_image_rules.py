@@ -52,20 +52,23 @@ def test_every_non_public_ipv6_is_refused(ip):
     assert address_refusal(ip) is not None
 
 
+def _allowed_only_when_globally_routable_unicast(ip, non_public):
+    if address_refusal(ip) is None:
+        assert ip.is_global and not ip.is_multicast and not ip.is_private
+    if any(ip in ipaddress.ip_network(n) for n in non_public) or not ip.is_global:
+        assert address_refusal(ip) is not None
+
+
 @given(st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address))
 @settings(max_examples=500)
 def test_ipv4_allowed_only_when_globally_routable_unicast(ip):
-    if address_refusal(ip) is None:
-        assert ip.is_global and not ip.is_multicast and not ip.is_private
-    if any(ip in ipaddress.ip_network(n) for n in NON_PUBLIC_V4) or not ip.is_global:
-        assert address_refusal(ip) is not None
+    _allowed_only_when_globally_routable_unicast(ip, NON_PUBLIC_V4)
 
 
 @given(st.integers(0, 2**128 - 1).map(ipaddress.IPv6Address))
 @settings(max_examples=500)
 def test_ipv6_allowed_only_when_globally_routable_unicast(ip):
-    if address_refusal(ip) is None:
-        assert ip.is_global and not ip.is_multicast and not ip.is_private
+    _allowed_only_when_globally_routable_unicast(ip, NON_PUBLIC_V6)
 
 
 @given(public_v4)

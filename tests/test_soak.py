@@ -79,12 +79,30 @@ async def soak(demo_config, n, seed=0):
                 else:
                     results["mismatch"].append((i, model, text, baseline[i]))
 
+        health = {"polls": 0, "down_episodes": 0}
+
+        async def watch_health():
+            was_ok = True
+            while True:
+                ok = rt.health().ok
+                health["polls"] += 1
+                health["down_episodes"] += was_ok and not ok
+                was_ok = ok
+                await trio.sleep(0.002)
+
         try:
-            async with trio.open_nursery() as nursery:
-                for req in requests:
-                    nursery.start_soon(one, *req)
+            async with trio.open_nursery() as outer:
+                outer.start_soon(watch_health)
+                async with trio.open_nursery() as nursery:
+                    for req in requests:
+                        nursery.start_soon(one, *req)
+                outer.cancel_scope.cancel()
         finally:
             faults.configure(None)
+        restarts = sum(state.restarts for state in rt.supervisor.states.values())
+        # truthful health: down at some point whenever an actor died, and never down otherwise
+        assert health["down_episodes"] <= restarts and (health["down_episodes"] > 0 or restarts == 0), (health, restarts)
+        results["restarts"], results["health_down_episodes"] = restarts, health["down_episodes"]
         with trio.fail_after(10):
             while not rt.health().ok:
                 await trio.sleep(0.01)

@@ -72,12 +72,11 @@ class LookupResult:
 class Lookup:
     """The longest cached prefix of `hashes`. On a miss the request is registered as computing the
     missing blocks; when another request already is, the lookup waits for its commit (in-flight
-    dedup; `wait=False` answers at once)."""
+    dedup)."""
 
     request_id: str
     hashes: tuple[bytes, ...]
     reply: trio.MemorySendChannel  # never closed by the manager (it may be the requester's inbox)
-    wait: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ class PrefixCacheManager(Actor):
         slots = self.store.lookup(hashes, rid) if self.num_slots else []
         if len(slots) < len(hashes) and self.num_slots:
             owner = self.inflight.owner_of(hashes[len(slots)])
-            if may_wait and msg.wait and self.wait_s > 0 and owner is not None and owner != rid:
+            if may_wait and self.wait_s > 0 and owner is not None and owner != rid:
                 self.store.release(rid)  # taken again when the lookup is answered
                 self.inflight.park(rid, owner, trio.current_time() + self.wait_s, msg)
                 self.dedup_waits += 1
@@ -201,10 +200,13 @@ class PrefixCacheManager(Actor):
 
     async def _commit(self, msg: Commit) -> None:
         placed = self.store.commit(msg.hashes, msg.request_id) if self.num_slots else []
-        for i, slot, evicted in placed:
-            if evicted is not None:
-                self.log.info("prefix_cache.stale_entry_dropped", request_id=msg.request_id, slot=slot,
-                              hash=key_prefix(evicted))
+        reused = [(slot, evicted) for _, slot, evicted in placed if evicted is not None]
+        if reused:  # no free slot was left: least recently used entries made room
+            self.log.info("prefix_cache.evict", request_id=msg.request_id, entries=len(reused),
+                          slots=[slot for slot, _ in reused])
+        for slot, evicted in reused:
+            self.log.info("prefix_cache.stale_entry_dropped", request_id=msg.request_id, slot=slot,
+                          hash=key_prefix(evicted))
         if placed:
             await compute.run(self._write, msg.kv, placed)
         self.store.release(msg.request_id)

@@ -87,12 +87,17 @@ class InFlightBlocks(Generic[T]):
         return parked
 
     def check_invariants(self) -> None:
+        """Raise ValueError naming the first broken invariant, if any."""
         owners = {h: o for o, hs in self._registered.items() for h in hs}
-        assert owners == self._owner_of, "registration index out of sync"
-        assert all(hs for hs in self._registered.values()), "an owner with no registered block"
+        if owners != self._owner_of:
+            raise ValueError("the hash → owner index disagrees with the owners' registrations")
+        if empty := [o for o, hs in self._registered.items() if not hs]:
+            raise ValueError(f"owners registered with no block: {empty!r}")
         for p in self._parked.values():
-            assert p.waiter not in self._registered, f"{p.waiter!r} waits and computes"
-            assert p.waiter != p.owner
+            if p.waiter in self._registered:
+                raise ValueError(f"{p.waiter!r} both waits and computes")
+            if p.waiter == p.owner:
+                raise ValueError(f"{p.waiter!r} waits on itself")
 
     def __len__(self) -> int:
         return len(self._parked)
