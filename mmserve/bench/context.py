@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import itertools
 from contextlib import asynccontextmanager
-from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
 import httpx
 
 from mmserve.bench.baselines import HFBaseline, SuffixPrefill
-from mmserve.bench.common import QUESTIONS, ask, timed_chat, timed_http
+from mmserve.bench.common import QUESTIONS, Timing, ask, timed_chat, timed_http
 from mmserve.bench.params import BenchParams
 from mmserve.bench.servers import bench_config, http_server, open_runtime
+from mmserve.runtime import compute
 
 WARMUP_IMAGE = 10_000  # image indices from here on are for warm-ups only
 
@@ -27,24 +27,33 @@ class Bench:
         self.note = note
         self._images = itertools.count()
         self._warmups = itertools.count(WARMUP_IMAGE)
+        self._hf: HFBaseline | None = None
+        self._ref: SuffixPrefill | None = None
 
     def new_image(self) -> int:
         """An image index no earlier request of this run has used (so no cache can know it)."""
         return next(self._images)
 
-    @cached_property
-    def hf(self) -> HFBaseline:
-        self.note("loading HF baseline")
-        base = HFBaseline(self.model_dir)
-        base.generate(ask(next(self._warmups)), 2)
-        return base
+    # The baselines run on mmserve's compute thread, like mmserve's own model steps: torch work on
+    # a second thread would start a second OpenMP team, and with more OpenMP threads than CPUs
+    # libgomp stops spin-waiting between ops in *every* team, slowing both sides of a comparison
+    # by different amounts (a 28-token suffix prefill went from ~24 ms to ~40 ms in this process).
 
-    @cached_property
-    def ref(self) -> SuffixPrefill:
-        self.note("loading reference adapter")
-        ref = SuffixPrefill(self.model_dir)
-        ref.time(ask(next(self._warmups)), 0, repeats=1)
-        return ref
+    async def hf_generate(self, messages: list[dict], tokens: int) -> Timing:
+        """Raw transformers `generate` of exactly `tokens` greedy tokens."""
+        if self._hf is None:
+            self.note("loading HF baseline")
+            self._hf = await compute.run(HFBaseline, self.model_dir)
+            await compute.run(self._hf.generate, ask(next(self._warmups)), 2)
+        return await compute.run(self._hf.generate, messages, tokens)
+
+    async def suffix_prefill(self, messages: list[dict], hit: int, repeats: int) -> tuple[float, int]:
+        """(median seconds, suffix tokens) of the bare prefill of the prompt's tokens after `hit`."""
+        if self._ref is None:
+            self.note("loading reference adapter")
+            self._ref = await compute.run(SuffixPrefill, self.model_dir)
+            await compute.run(self._ref.time, ask(next(self._warmups)), 0, 1)
+        return await compute.run(self._ref.time, messages, hit, repeats)
 
     def config(self, prefix: bool = True, encoder: bool = True):
         return bench_config(self.model_dir, self.params.torch_threads, prefix=prefix, encoder=encoder)

@@ -20,6 +20,7 @@ from mmserve.bench.params import BenchParams
 from mmserve.bench.report import write_reports
 from mmserve.bench.scenarios import SCENARIOS
 from mmserve.logs import configure_logging
+from mmserve.runtime import compute
 
 
 def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None = None,
@@ -49,6 +50,7 @@ def _quiet_process_settings(threads: int):
     configure_logging("json", "warning")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(threads)
+    compute.configure(threads)  # the baselines run on the compute thread too
     try:
         yield
     finally:

@@ -30,7 +30,7 @@ def _at_least(value: float, target: float) -> bool | None:
 
 async def decode(b: Bench) -> dict:
     """Decode tokens/s of one stream: mmserve embedded and over HTTP vs HF `generate`, interleaved."""
-    p, hf = b.params, b.hf
+    p = b.params
     msgs = ask(b.new_image())
     runs: dict[str, list[Timing]] = {"embedded": [], "http": [], "hf": []}
     async with b.runtime(prefix=False, encoder=False) as rt, b.server(prefix=False, encoder=False) as (client, url):
@@ -38,7 +38,7 @@ async def decode(b: Bench) -> dict:
             b.note(f"repeat {r + 1}/{p.decode_repeats}")
             runs["embedded"].append(await timed_chat(rt, msgs, p.decode_tokens))
             runs["http"].append(await timed_http(client, url, msgs, p.decode_tokens))
-            runs["hf"].append(hf.generate(msgs, p.decode_tokens))
+            runs["hf"].append(await b.hf_generate(msgs, p.decode_tokens))
     tps = {k: median(t.decode_tps for t in v) for k, v in runs.items()}
     ttft = {k: median(t.ttft for t in v) for k, v in runs.items()}
     rows = [row("1 decode", f"decode tok/s, {k}", tps[k], "tok/s", tps["hf"], ratio(tps[k], tps["hf"]),
@@ -116,7 +116,7 @@ async def concurrency(b: Bench) -> dict:
     p, top = b.params, max(b.params.levels)
     requests = [ask(b.new_image()) for _ in range(top)]
     b.note(f"HF generate x{top}")
-    hf_runs = [b.hf.generate(m, p.sweep_tokens) for m in requests]
+    hf_runs = [await b.hf_generate(m, p.sweep_tokens) for m in requests]
     levels = []
     async with b.server(prefix=False, encoder=False) as (client, url):
         idle = await _idle_health(client, url, p.health_interval_s)
@@ -154,7 +154,7 @@ def _concurrency_rows(levels: list[dict], idle: dict) -> list[dict]:
 async def multiturn(b: Bench) -> dict:
     """A chat that resends its whole history (image included) every turn: TTFT with the prefix cache
     on vs off, and vs the bare compute of prefilling only the uncached suffix."""
-    p, ref = b.params, b.ref
+    p = b.params
     per_turn: list[list[dict]] = [[] for _ in range(p.turns)]
     async with b.runtime(prefix=True) as on, b.runtime(prefix=False) as off:
         for c in range(p.conversations):
@@ -164,7 +164,7 @@ async def multiturn(b: Bench) -> dict:
                 history.append(user(QUESTIONS[k % len(QUESTIONS)], img if k == 0 else None))
                 hit = await timed_chat(on, history, p.turn_tokens, salt=f"mt{c}")
                 miss = await timed_chat(off, history, p.turn_tokens, salt=f"mt{c}")
-                ref_s, suffix = ref.time(history, hit.cached_tokens, p.ref_repeats)
+                ref_s, suffix = await b.suffix_prefill(history, hit.cached_tokens, p.ref_repeats)
                 per_turn[k].append({"ttft_on_s": hit.ttft, "ttft_off_s": miss.ttft, "prefill_suffix_s": ref_s,
                                     "prompt_tokens": hit.prompt_tokens, "cached_tokens": hit.cached_tokens,
                                     "suffix_tokens": suffix})
