@@ -1,5 +1,5 @@
-"""Soak: mixed traffic — multi-turn, several images, both demo models, random disconnects,
-injected crashes, tiny cache budgets. Every request ends (answer or clean error) within its
+"""Soak: mixed traffic — multi-turn, one or two images, both demo models, random disconnects,
+injected crashes and hangs, tiny cache budgets. Every request ends (answer or clean error) within its
 deadline, answers equal the no-cache baseline, nothing leaks. A short version runs in CI; the
 long one is marked slow (`pytest -m slow tests/test_soak.py`)."""
 
@@ -11,35 +11,48 @@ import trio.testing
 
 from mmserve import Runtime
 from mmserve.errors import ServiceUnavailable
-from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_SHAPE, SHAPES, render_image
+from mmserve.models.demo import (
+    BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image)
 from mmserve.runtime import faults
-from tests.helpers import ask
+from tests.helpers import ask, image_part
 
 IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[(i // 3) % 3], seed=700 + i) for i in range(8)]
-FAULTS = ["generator.step=raise@7", "encoder.forward=raise@2", "prefix.commit=raise@3", "image.decode=raise@4"]
+# one fault every FAULT_EVERY requests, cycling through these: crashes and hangs (a hung step
+# blocks its thread for HANG_S; the stall watchdog must notice it within STALL_S)
+FAULTS = ["generator.step=raise@7", "encoder.forward=hang@2", "prefix.commit=raise@3", "image.decode=raise@4",
+          "generator.step=hang@5", "encoder.forward=raise@2"]
+FAULT_EVERY, HANG_S, STALL_S = 12, 2.0, 1.0
 
 
 def workload(n, seed):
+    """(index, model, messages, disconnect, fault spec or None) per request."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         img = rng.randrange(len(IMAGES))
-        msgs = ask(IMAGES[img], rng.choice([Q_COLOR, Q_SHAPE, Q_BACKGROUND]))
+        if rng.random() < 0.2:  # two images in one message
+            other = rng.randrange(len(IMAGES))
+            msgs = [{"role": "user", "content": [image_part(IMAGES[img]), image_part(IMAGES[other]),
+                                                 {"type": "text", "text": rng.choice([Q_FIRST, Q_SECOND])}]}]
+        else:
+            msgs = ask(IMAGES[img], rng.choice([Q_COLOR, Q_SHAPE, Q_BACKGROUND]))
         if rng.random() < 0.4:
             msgs = [*msgs, {"role": "assistant", "content": COLORS[img % 6]}, {"role": "user", "content": rng.choice([Q_SHAPE, Q_BACKGROUND])}]
-        out.append((i, rng.choice(["demo", "demo-wide"]), msgs, rng.random() < 0.15))
+        fault = FAULTS[(i // FAULT_EVERY) % len(FAULTS)] if i % FAULT_EVERY == FAULT_EVERY // 2 else None
+        out.append((i, rng.choice(["demo", "demo-wide"]), msgs, rng.random() < 0.15, fault))
     return out
 
 
-async def answer_with_retries(rt, msgs, model, attempts=4):
-    """A well-behaved client: a 503 (actor restarting) is retried after a short pause."""
+async def answer_with_retries(rt, msgs, model, attempts=6):
+    """A well-behaved client: a 503 (actor restarting) is retried, backing off 0.1 s, 0.2 s, ...
+    (3.1 s in all: a hang's detection and the restart fit in it)."""
     for attempt in range(attempts):
         try:
             return (await rt.chat_completion(msgs, model=model, temperature=0, max_tokens=6)).text
         except ServiceUnavailable:
             if attempt == attempts - 1:
                 raise
-            await trio.sleep(0.1)
+            await trio.sleep(0.1 * 2 ** attempt)
 
 
 async def soak(demo_config, n, seed=0):
@@ -47,21 +60,20 @@ async def soak(demo_config, n, seed=0):
     baseline = {}
     off = demo_config.replace(prefix_cache={"enabled": False}, encoder_cache={"enabled": False})
     async with Runtime.open(off) as rt:
-        for i, model, msgs, _ in requests:
+        for i, model, msgs, _, _ in requests:
             baseline[i] = (await rt.chat_completion(msgs, model=model, temperature=0, max_tokens=6)).text
 
     on = demo_config.replace(prefix_cache={"block_size": 8, "budget_bytes": 40_000},
                              encoder_cache={"max_entries": 3},
-                             supervisor={"restart_backoff_s": 0.02, "stall_timeout_s": 5.0})
+                             supervisor={"restart_backoff_s": 0.02, "stall_timeout_s": STALL_S})
     results = {"ok": 0, "mismatch": [], "failed": 0, "disconnected": 0, "faults": 0}
-    rng = random.Random(seed + 1)
     async with Runtime.open(on) as rt:
         limiter = trio.CapacityLimiter(6)
 
-        async def one(i, model, msgs, disconnect):
+        async def one(i, model, msgs, disconnect, fault):
             async with limiter:
-                if rng.random() < 0.03:
-                    faults.configure(rng.choice(FAULTS))
+                if fault is not None:
+                    faults.configure(fault)
                     results["faults"] += 1
                 with trio.fail_after(30):  # the per-request deadline
                     try:
@@ -121,10 +133,12 @@ async def soak(demo_config, n, seed=0):
     return results
 
 
-async def test_soak_short(demo_config):
+async def test_soak_short(demo_config, monkeypatch):
+    monkeypatch.setenv("MMSERVE_FAULT_HANG_S", str(HANG_S))
     await soak(demo_config, 48)
 
 
 @pytest.mark.slow
-async def test_soak_long(demo_config):
+async def test_soak_long(demo_config, monkeypatch):
+    monkeypatch.setenv("MMSERVE_FAULT_HANG_S", str(HANG_S))
     await soak(demo_config, 600, seed=7)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 import torch
@@ -28,6 +28,11 @@ from mmserve.logs import get_logger
 T = TypeVar("T")
 
 log = get_logger("compute")
+
+
+class ComputeThreadReplaced(RuntimeError):
+    """A step queued on a compute thread that `replace` abandoned: it never ran."""
+
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 _threads = 0  # torch intra-op threads for the compute thread; 0 = torch's default
@@ -101,4 +106,9 @@ async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T
         with trio.CancelScope(shield=True):
             await done.wait()
         await trio.lowlevel.checkpoint_if_cancelled()
-    return future.result()
+    try:
+        return future.result()
+    except CancelledError:
+        raise ComputeThreadReplaced(
+            "the compute thread was replaced after a stalled step, and this queued step was dropped "
+            "with it") from None
