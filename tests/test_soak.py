@@ -4,6 +4,7 @@ deadline, answers equal the no-cache baseline, nothing leaks. A short version ru
 long one is marked slow (`pytest -m slow tests/test_soak.py`)."""
 
 import random
+import threading
 
 import pytest
 import trio
@@ -126,6 +127,10 @@ async def soak(demo_config, n, seed=0):
             assert not model.prefix_cache.store.owners(), name
             inflight = model.prefix_cache.inflight
             assert len(inflight) == 0 and inflight.registered_blocks == 0, name  # no waiter, no registration left
+        # a hung step's abandoned thread finishes its sleep, then exits: none outlives the soak
+        with trio.fail_after(HANG_S + 5):
+            while sum(t.name.startswith("mmserve-compute") for t in threading.enumerate()) > 1:
+                await trio.sleep(0.05)
     print("soak:", {k: (len(v) if isinstance(v, list) else v) for k, v in results.items()})
     assert not results["mismatch"], results["mismatch"][:5]
     assert results["ok"] + results["failed"] + results["disconnected"] == n  # every request ended
