@@ -126,14 +126,23 @@ async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = N
     raise RuntimeError("the stream ended without a finish reason")
 
 
-async def timed_http(client, url: str, messages: list[dict], tokens: int, salt: str | None = None) -> Timing:
+async def timed_http(client, url: str, messages: list[dict], tokens: int, salt: str | None = None,
+                     first: str = "chunk") -> Timing:
     """One streaming request over the OpenAI-compatible HTTP API (httpx on trio)."""
     body = dict(sampling(tokens, salt), messages=messages, stream=True, stream_options={"include_usage": True})
-    return await timed_sse(client, url, body)
+    return await timed_sse(client, url, body, first)
 
 
-async def timed_sse(client, url: str, body: dict) -> Timing:
-    """One streamed chat completion to any OpenAI-compatible server, timed from the request."""
+async def timed_sse(client, url: str, body: dict, first: str = "text") -> Timing:
+    """One streamed chat completion to any OpenAI-compatible server, timed from the request.
+
+    `first` says what marks the first token. "chunk": the first chunk, even with empty content —
+    right for mmserve, which sends its first chunk once the first token exists, and comparable with
+    HF `generate`'s token times (text can lag tokens: a partial UTF-8 character or a possible stop
+    string is held back, for many tokens with a random-weight model). "text": the first non-empty
+    content — the only mark that means the same for servers that send their role chunk at once."""
+    if first not in ("chunk", "text"):
+        raise ValueError(f"first must be 'chunk' or 'text', not {first!r}")
     clock, finished, usage = _Clock(), None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:
         if r.status_code != 200:
@@ -145,7 +154,7 @@ async def timed_sse(client, url: str, body: dict) -> Timing:
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
             for choice in chunk["choices"]:
-                clock.text(choice["delta"].get("content") or "")
+                clock.text(choice["delta"].get("content") or "", token=first == "chunk")
                 if choice.get("finish_reason"):
                     finished = perf_counter()
             usage = chunk.get("usage") or usage

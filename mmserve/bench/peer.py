@@ -139,8 +139,9 @@ def request_body(model: str, messages: list[dict], tokens: int) -> dict:
 
 
 async def timed_peer(client: httpx.AsyncClient, url: str, messages: list[dict], tokens: int, *, model: str) -> Timing:
-    """One streaming request to `transformers serve`, timed exactly like `common.timed_http`."""
-    return await timed_sse(client, url, request_body(model, messages, tokens))
+    """One streaming request to `transformers serve`, its first token being its first text (it sends
+    its role chunk before generating; mmserve is timed the same way in this scenario)."""
+    return await timed_sse(client, url, request_body(model, messages, tokens), first="text")
 
 
 def describe(model_dir: Path) -> dict:

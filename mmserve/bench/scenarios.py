@@ -298,6 +298,11 @@ def _peer_levels(p) -> tuple[int, ...]:
     return (p.levels[0], p.levels[-1]) if p.name == "quick" else p.levels
 
 
+async def _timed_text(client, url: str, messages: list[dict], tokens: int) -> Timing:
+    """mmserve timed like the peer: the first token is the first non-empty text (see timed_sse)."""
+    return await timed_http(client, url, messages, tokens, first="text")
+
+
 async def peer(b: Bench) -> dict:
     """Scenarios 1 and 2's workloads against HF `transformers serve` on the same model, side by side
     with an mmserve HTTP server (caches off) started for this scenario: the same requests, mmserve
@@ -338,11 +343,12 @@ async def peer(b: Bench) -> dict:
                 await on_peer(send(client, peer_url, ask(b.new_image(), QUESTIONS[1]), 2))  # warm-up
                 for r in range(p.decode_repeats):
                     b.note(f"decode, repeat {r + 1}/{p.decode_repeats}")
-                    decode_runs["mmserve"].append(await timed_http(client, url, decode_msgs, p.decode_tokens))
+                    decode_runs["mmserve"].append(await timed_http(client, url, decode_msgs, p.decode_tokens,
+                                                                   first="text"))
                     decode_runs["peer"].append(await on_peer(send(client, peer_url, decode_msgs, p.decode_tokens)))
                 for n in levels_n:
                     b.note(f"{n} concurrent, mmserve / transformers serve")
-                    mm = await _level(client, url, requests[:n], p.sweep_tokens, None)
+                    mm = await _level(client, url, requests[:n], p.sweep_tokens, None, send=_timed_text)
                     other = await on_peer(_level(client, peer_url, requests[:n], p.sweep_tokens, None, send=send))
                     levels.append({"concurrency": n, "mmserve": mm, "peer": other,
                                    "ratio_agg_tps": ratio(mm["agg_tps"], other["agg_tps"])})
