@@ -1,12 +1,17 @@
 """The oracle: greedy output with the caches on equals greedy output with them off, token for
 token, over hypothesis-generated multi-turn, multi-image, two-model workloads with random
-disconnects and a tiny cache budget that forces slot reuse and eviction."""
+disconnects and a tiny cache budget that forces slot reuse and eviction — once with the
+conversations interleaved turn by turn, once with them running at the same time (batched decode,
+in-flight dedup, commits and evictions while other requests hold pins)."""
 
+import threading
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+import trio
+import trio.testing
 
 from mmserve import SyncRuntime
 from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image
@@ -86,3 +91,46 @@ def test_cache_on_equals_cache_off(runtimes, workload):
             history.append({"role": "assistant", "content": expected})
     stats = on.stats()
     assert any(s["prefix_cache"]["hit_blocks"] for s in stats.values())
+
+
+def _quiet_and_consistent(rt) -> None:
+    """Inside the runtime's thread, once it is idle: nothing in flight, no pin, no registration."""
+    async def check():
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        for name, model in rt.runtime.registry.loaded.items():
+            assert not model.generator.running and not model.generator.in_flight, name
+            assert model.encoder.stats()["pinned_entries"] == 0, name
+            model.prefix_cache.store.check_invariants()
+            assert not model.prefix_cache.store.owners(), name
+            assert len(model.prefix_cache.inflight) == 0, name
+    trio.from_thread.run(check, trio_token=rt._token)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(conversations(), min_size=2, max_size=5))
+def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
+    on, off = runtimes
+    mismatches, errors = [], []
+
+    def converse(c: Conversation) -> None:
+        history = [{"role": "system", "content": c.system}] if c.system else []
+        try:
+            for turn in c.turns:
+                history.append(user_message(turn))
+                expected = run_turn(off, c.model, history, None)
+                got = run_turn(on, c.model, history, turn.disconnect_after)
+                if got is not None and got != expected:
+                    mismatches.append((c.model, list(history), got, expected))
+                history.append({"role": "assistant", "content": expected})
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=converse, args=(c,)) for c in workload]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a conversation never ended"
+    assert not mismatches, mismatches[:3]
+    _quiet_and_consistent(on)
