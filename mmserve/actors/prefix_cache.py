@@ -211,7 +211,8 @@ class PrefixCacheManager(Actor):
             await compute.run(self._write, msg.kv, placed)
         self.store.release(msg.request_id)
         self.log.info("prefix_cache.commit", request_id=msg.request_id, blocks=len(msg.hashes),
-                      new_blocks=len(placed), slots=[s for _, s, _ in placed])
+                      new_blocks=len(placed), slots=[s for _, s, _ in placed],
+                      hashes=[key_prefix(msg.hashes[i]) for i, _, _ in placed])
 
     def _write(self, kv: KV, placed: list[tuple[int, int, bytes | None]]) -> None:
         """Copies block i of the sequence's KV into its slot, for each placed block (worker thread)."""
