@@ -3,12 +3,11 @@ after the last token — leaves nothing behind, and a concurrent request complet
 
 import pytest
 import trio
-import trio.testing
 
 from mmserve import Runtime
 from mmserve.models.demo import render_image
 from mmserve.runtime import faults
-from tests.helpers import ask, colour_question
+from tests.helpers import ask, assert_nothing_held, colour_question
 
 PHASES = {
     "queued": ("image.decode=hang@1", {"limits": {"decode_concurrency": 1}}),
@@ -65,12 +64,7 @@ async def test_disconnect_at_every_phase(tiny_config, phase):
             n.start_soon(leaver)
             n.start_soon(bystander)
         await trio.sleep(0.5)  # let any hang run out
-        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-        model = rt.registry.require("tiny")
+        await assert_nothing_held(rt)
         assert other["text"] == baseline
-        assert not model.generator.running and not model.generator.in_flight
-        assert not model.encoder.in_flight and model.encoder.stats()["pinned_entries"] == 0
-        model.prefix_cache.store.check_invariants()
-        assert not model.prefix_cache.store.owners()
         assert not [h for h in rt._live if h.active]
         assert rt.health().ok

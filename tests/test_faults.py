@@ -6,13 +6,12 @@ import time
 import httpx
 import pytest
 import trio
-import trio.testing
 
 from mmserve import Runtime
 from mmserve.errors import ServiceUnavailable
 from mmserve.models.demo import render_image
 from mmserve.runtime import faults
-from tests.helpers import ServerThread, ask, colour_question
+from tests.helpers import ServerThread, ask, assert_nothing_held, colour_question
 
 LONG = dict(temperature=0, max_tokens=200, min_tokens=200)
 
@@ -34,12 +33,7 @@ async def wait_healthy(rt, timeout=5):
 
 
 async def assert_consistent(rt):
-    await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-    model = rt.registry.require("tiny")
-    assert not model.generator.running and not model.generator.in_flight
-    assert model.encoder.stats()["pinned_entries"] == 0
-    model.prefix_cache.store.check_invariants()
-    assert not model.prefix_cache.store.owners()
+    await assert_nothing_held(rt)
     c = await rt.chat_completion(colour_question("red"), temperature=0, max_tokens=3)
     assert c.usage.completion_tokens >= 1
 

@@ -11,11 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import trio
-import trio.testing
 
 from mmserve import SyncRuntime
 from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image
-from tests.helpers import image_part
+from tests.helpers import assert_nothing_held, image_part
 
 IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i) for i in range(5)]
 SYSTEMS = [None, "Answer briefly.", "You are a helpful assistant."]
@@ -93,19 +92,6 @@ def test_cache_on_equals_cache_off(runtimes, workload):
     assert any(s["prefix_cache"]["hit_blocks"] for s in stats.values())
 
 
-def _quiet_and_consistent(rt) -> None:
-    """Inside the runtime's thread, once it is idle: nothing in flight, no pin, no registration."""
-    async def check():
-        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-        for name, model in rt.runtime.registry.loaded.items():
-            assert not model.generator.running and not model.generator.in_flight, name
-            assert model.encoder.stats()["pinned_entries"] == 0, name
-            model.prefix_cache.store.check_invariants()
-            assert not model.prefix_cache.store.owners(), name
-            assert len(model.prefix_cache.inflight) == 0, name
-    trio.from_thread.run(check, trio_token=rt._token)
-
-
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(conversations(), min_size=2, max_size=5))
 def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
@@ -133,4 +119,4 @@ def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a conversation never ended"
     assert not mismatches, mismatches[:3]
-    _quiet_and_consistent(on)
+    trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)

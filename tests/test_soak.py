@@ -8,14 +8,13 @@ import threading
 
 import pytest
 import trio
-import trio.testing
 
 from mmserve import Runtime
 from mmserve.errors import ServiceUnavailable
 from mmserve.models.demo import (
     BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image)
 from mmserve.runtime import faults
-from tests.helpers import ask, image_part
+from tests.helpers import ask, assert_nothing_held, image_part
 
 IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[(i // 3) % 3], seed=700 + i) for i in range(8)]
 # one fault every FAULT_EVERY requests, cycling through these: crashes and hangs (a hung step
@@ -119,14 +118,7 @@ async def soak(demo_config, n, seed=0):
         with trio.fail_after(10):
             while not rt.health().ok:
                 await trio.sleep(0.01)
-        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-        for name, model in rt.registry.loaded.items():
-            assert not model.generator.running and not model.generator.in_flight, name
-            assert model.encoder.stats()["pinned_entries"] == 0, name
-            model.prefix_cache.store.check_invariants()
-            assert not model.prefix_cache.store.owners(), name
-            inflight = model.prefix_cache.inflight
-            assert len(inflight) == 0 and inflight.registered_blocks == 0, name  # no waiter, no registration left
+        await assert_nothing_held(rt)
         # a hung step's abandoned thread finishes its sleep, then exits: none outlives the soak
         with trio.fail_after(HANG_S + 5):
             while sum(t.name.startswith("mmserve-compute") for t in threading.enumerate()) > 1:

@@ -343,8 +343,7 @@ async def peer(b: Bench) -> dict:
                 await on_peer(send(client, peer_url, ask(b.new_image(), QUESTIONS[1]), 2))  # warm-up
                 for r in range(p.decode_repeats):
                     b.note(f"decode, repeat {r + 1}/{p.decode_repeats}")
-                    decode_runs["mmserve"].append(await timed_http(client, url, decode_msgs, p.decode_tokens,
-                                                                   first="text"))
+                    decode_runs["mmserve"].append(await _timed_text(client, url, decode_msgs, p.decode_tokens))
                     decode_runs["peer"].append(await on_peer(send(client, peer_url, decode_msgs, p.decode_tokens)))
                 for n in levels_n:
                     b.note(f"{n} concurrent, mmserve / transformers serve")
