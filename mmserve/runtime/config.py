@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
+HASH_ALGORITHMS = ("xxh3_128", "sha256")
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,9 @@ class LimitsConfig:
     max_messages: int = 256
     max_images_per_request: int = 8
     max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 40_000_000
+    max_image_pixels: int = 40_000_000  # decoded, and in every step of the image processor
+    max_image_aspect_ratio: float = 200.0  # longer side / shorter side; beyond, HTTP 422
+    max_json_depth: int = 64  # nesting of arrays and objects in a request body
     image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")
     max_prompt_tokens: int = 8192
     max_tokens: int = 4096
@@ -140,6 +143,11 @@ class PrefixCacheConfig:
     block_size: int = 16
     budget_bytes: int = 256 * 1024 * 1024
     inflight_wait_s: float = 10.0  # wait this long for blocks another request is computing; 0: never wait
+    hash: str = "xxh3_128"  # "xxh3_128" | "sha256": the hash of block and multimodal content keys
+
+    def __post_init__(self) -> None:
+        if self.hash not in HASH_ALGORITHMS:
+            raise ValueError(f"config [prefix_cache]: hash must be one of {list(HASH_ALGORITHMS)}, got {self.hash!r}")
 
 
 @dataclass(frozen=True)
