@@ -138,8 +138,11 @@ def test_models_and_request_id(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
     resp = chat(client, {"messages": colour_question("red"), "max_tokens": 1}, headers={"x-request-id": "abc-123"})
-    assert resp.headers["x-request-id"] == "abc-123"
-    assert resp.json()["id"] == "chatcmpl-abc-123"
+    again = chat(client, {"messages": colour_question("red"), "max_tokens": 1}, headers={"x-request-id": "abc-123"})
+    # the client's id is echoed as a label; the completion id is the server's own, unique per request
+    assert resp.headers["x-request-id"] == again.headers["x-request-id"] == "abc-123"
+    ids = {resp.json()["id"], again.json()["id"]}
+    assert len(ids) == 2 and all(i.startswith("chatcmpl-") and "abc-123" not in i for i in ids)
 
 
 def test_overload_is_429_with_retry_after(tiny_config):

@@ -56,9 +56,10 @@ class RequestHandle:
     one piece of state the caller writes (when it goes away); actors check it between steps.
     """
 
-    request_id: str
+    request_id: str  # internal, minted at admission: the key of every table, pin and log line
     request: ChatRequest
     output: trio.MemorySendChannel
+    client_request_id: str | None = None  # the caller's label (X-Request-Id); never a key
     created: float = field(default_factory=time.monotonic)
     aborted: bool = False
     finished: bool = False

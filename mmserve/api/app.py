@@ -46,9 +46,11 @@ def create_app(rt: Runtime) -> QuartTrio:
     admin_key = rt.config.auth.admin().encode()
 
     @app.before_request
-    async def assign_request_id_and_authenticate():
+    async def read_client_request_id_and_authenticate():
+        # the client's id is a label only (DESIGN.md F6): logged and echoed, never used as a key
         incoming = request.headers.get("x-request-id", "")
-        g.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
+        g.client_request_id = incoming if _REQUEST_ID.match(incoming) else None
+        g.request_id = new_request_id()  # names errors raised before admission; admission mints its own
         try:
             if request.path.startswith(("/debug/", "/admin/")):
                 _require_admin(admin_key)
@@ -61,7 +63,7 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.after_request
     async def add_request_id(response):
-        response.headers["x-request-id"] = getattr(g, "request_id", "")
+        response.headers["x-request-id"] = getattr(g, "client_request_id", None) or getattr(g, "request_id", "")
         return response
 
     @app.errorhandler(MMServeError)
@@ -74,8 +76,10 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.errorhandler(Exception)
     async def on_unexpected(exc: Exception):
-        log.error("http.unhandled_error", request_id=getattr(g, "request_id", None), exc_info=exc)
-        return error_response(InternalError("internal error; see the server log for this request id"))
+        rid = getattr(g, "request_id", None)
+        log.error("http.unhandled_error", request_id=rid, client_request_id=getattr(g, "client_request_id", None),
+                  exc_info=exc)
+        return error_response(InternalError(f"internal error; see the server log for request {rid}"))
 
     @app.get("/health")
     async def health():
@@ -115,7 +119,8 @@ def create_app(rt: Runtime) -> QuartTrio:
     async def chat_completions():
         body = _json(await _read_body(rt.config.server.max_body_bytes))
         parsed = rt.parse(body)
-        stream = rt.chat(request=parsed, request_id=g.request_id)
+        stream = rt.chat(request=parsed, client_request_id=g.client_request_id)
+        g.request_id = stream.request_id
         if not parsed.stream:
             return await _complete(stream)
         try:

@@ -82,6 +82,7 @@ def usage_json(u: Usage) -> dict:
 
 
 def new_request_id() -> str:
+    """A fresh internal request id: 128 random bits, never reused and never taken from a client."""
     return uuid.uuid4().hex
 
 
@@ -99,7 +100,12 @@ class ChatStream:
 
     @property
     def request_id(self) -> str:
+        """The internal id this runtime gave the request (unique; the client's id is only a label)."""
         return self.handle.request_id
+
+    @property
+    def client_request_id(self) -> str | None:
+        return self.handle.client_request_id
 
     @property
     def id(self) -> str:
@@ -144,7 +150,8 @@ class ChatStream:
     def _log_end(self, status: int, finish_reason: str | None = None, usage: Usage | None = None, **extra) -> None:
         """The one canonical line per finished request."""
         h, now = self.handle, time.monotonic()
-        _log.info("request.finished", request_id=h.request_id, model=h.model, status=status,
+        _log.info("request.finished", request_id=h.request_id, client_request_id=h.client_request_id,
+                  model=h.model, status=status,
                   finish_reason=finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
                   cached_tokens=usage.cached_tokens if usage else None,
                   completion_tokens=usage.completion_tokens if usage else None,
@@ -306,12 +313,16 @@ class Runtime:
         return parse_chat_request(body, self.config.limits, self.config.default_model)
 
     def chat(self, messages: list | None = None, *, request: ChatRequest | dict | None = None,
-             request_id: str | None = None, **params: Any) -> ChatStream:
+             client_request_id: str | None = None, **params: Any) -> ChatStream:
         """Starts a chat request and returns its stream of deltas.
 
         Either `messages` plus OpenAI parameters as keywords (`model`, `max_tokens`, `temperature`,
         `top_p`, `top_k`, `seed`, `stop`, ...), or a whole `request` (a body dict or a parsed
         ChatRequest). Invalid input raises a typed `MMServeError` here, before any work starts.
+
+        Every request gets a fresh internal id (`stream.request_id`) that keys all of its state;
+        `client_request_id` is the caller's label for it, logged beside the internal id and
+        searchable with `mmserve trace`, and may be shared by any number of requests.
         """
         if not isinstance(request, ChatRequest):
             body = dict(request or {}, **params)
@@ -324,9 +335,10 @@ class Runtime:
             raise ServiceUnavailable(f"mmserve is not ready: {health.reason}")
         self._admit_or_refuse()
         send, receive = trio.open_memory_channel(math.inf)
-        handle = RequestHandle(request_id or new_request_id(), request, send)
+        handle = RequestHandle(new_request_id(), request, send, client_request_id=client_request_id)
         self._live.add(handle)
-        self.log.info("request.received", request_id=handle.request_id, model=request.model,
+        self.log.info("request.received", request_id=handle.request_id, client_request_id=client_request_id,
+                      model=request.model,
                       images=request.num_images, messages=len(request.messages), stream=request.stream)
         self.intake.inbox_send.send_nowait(Submit(handle))
         return ChatStream(handle, receive, self.config.limits.request_timeout_s)
