@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import pytest
@@ -10,12 +11,19 @@ from hypothesis import strategies as st
 
 from mmserve.cache import block_hash as B
 from mmserve.cache.block_hash import ExtraKey, MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
+from mmserve.cache.keys import HASH_ALGORITHMS
 
 IMG = 9  # the one placeholder token id every image shares
 A = bytes(range(16))
 A_AGAIN = bytes(range(16))
 C = bytes(range(16, 32))
 ROOT = root_hash(7, None)
+ROOTS = {alg: root_hash(7, None, algorithm=alg) for alg in HASH_ALGORITHMS}
+ALGS = pytest.mark.parametrize("alg", HASH_ALGORITHMS)
+
+
+def hashes_of(alg, tokens, items, block_size=4):
+    return block_hashes(ROOTS[alg], tokens, items, block_size, algorithm=alg)
 
 
 # -- pinned layouts ----------------------------------------------------------------------------
@@ -46,15 +54,62 @@ def test_block_layout_and_hash_are_pinned():
     assert hashes[1] == hash_block(hashes[0], [IMG] * 3 + [3], extra)
 
 
+def _sha256_key(*parts: bytes) -> bytes:
+    """The documented sha256 construction, written out independently of the module."""
+    return hashlib.sha256(struct.pack("<Q", B.SEED_BLOCK_HASH) + b"".join(parts)).digest()[:16]
+
+
+def test_sha256_root_and_block_hashes_are_pinned():
+    root = root_hash(0x0102030405060708, "s", algorithm="sha256")
+    assert root.hex() == "105df244e5fdf6e681797a9cb196402b"
+    assert root == _sha256_key(B.root_layout(0x0102030405060708, "s"))
+    sha_root = ROOTS["sha256"]
+    assert sha_root.hex() == "6397074b61dded52208bab85fed41407"
+    extra = (ExtraKey(A, offset=2, start_in_block=0, length=5),)
+    block = hash_block(sha_root, [1, 2, 3, 4], extra, algorithm="sha256")
+    assert block.hex() == "563011d8ce6ea5c40adc2f248594e40a"
+    assert block == _sha256_key(B.block_layout(sha_root, [1, 2, 3, 4], extra))
+    hashes = hashes_of("sha256", [1, 2, IMG, IMG, IMG, IMG, IMG, 3, 4], [MMPlaceholder(A, 2, 5)])
+    assert [h.hex() for h in hashes] == ["e431db00154cf20c6f3b02c5c8081675", "a2ec4820a7ad569f349526c08ecc0678"]
+    assert hashes[1] == hash_block(hashes[0], [IMG] * 3 + [3], extra, algorithm="sha256")
+
+
+def test_the_default_is_xxh3_and_sha256_never_agrees_with_it():
+    assert ROOTS["xxh3_128"] == ROOT
+    assert root_hash(7, None, algorithm="xxh3_128") == root_hash(7, None)
+    assert ROOTS["sha256"] != ROOTS["xxh3_128"]
+    tokens, items = [1, 2, IMG, IMG, IMG, IMG, IMG, 3], [MMPlaceholder(A, 2, 5)]
+    assert block_hashes(ROOT, tokens, items, 4, algorithm="xxh3_128") == block_hashes(ROOT, tokens, items, 4)
+    # even over the same root and layout, the two algorithms give different blocks
+    xxh3 = block_hashes(ROOT, tokens, items, 4)
+    sha = block_hashes(ROOT, tokens, items, 4, algorithm="sha256")
+    assert all(a != b for a, b in zip(xxh3, sha)) and len(sha) == 2
+    assert hash_block(ROOT, tokens[:4], (), algorithm="sha256") != hash_block(ROOT, tokens[:4], ())
+
+
+def test_an_unknown_algorithm_is_rejected_naming_the_allowed_ones():
+    for bad in ("md5", "SHA256", "xxh3_64", "", None):
+        with pytest.raises(ValueError, match="xxh3_128.*sha256"):
+            root_hash(7, None, algorithm=bad)
+        with pytest.raises(ValueError, match="xxh3_128.*sha256"):
+            hash_block(ROOT, [1, 2], (), algorithm=bad)
+        with pytest.raises(ValueError, match="xxh3_128.*sha256"):
+            block_hashes(ROOT, [1], [], 4, algorithm=bad)  # even with no full block to hash
+
+
 # -- roots and chaining --------------------------------------------------------------------------
 
 
-def test_root_separates_models_and_salts():
-    roots = {root_hash(1, None), root_hash(2, None), root_hash(1, ""), root_hash(1, "a"), root_hash(1, "b")}
+@ALGS
+def test_root_separates_models_and_salts(alg):
+    roots = {root_hash(m, salt, algorithm=alg) for m, salt in [(1, None), (2, None), (1, ""), (1, "a"), (1, "b")]}
     assert len(roots) == 5
     assert all(len(r) == 16 for r in roots)
+    assert root_hash(1, "a", algorithm=alg) == root_hash(1, "a", algorithm=alg)
     tokens = list(range(8))
-    assert block_hashes(root_hash(1, None), tokens, [], 4) != block_hashes(root_hash(2, None), tokens, [], 4)
+    one = block_hashes(root_hash(1, None, algorithm=alg), tokens, [], 4, algorithm=alg)
+    two = block_hashes(root_hash(2, None, algorithm=alg), tokens, [], 4, algorithm=alg)
+    assert one != two
 
 
 def test_only_full_blocks_are_hashed():
@@ -79,31 +134,34 @@ def _prompt(n_before=3, n_img=6, n_after=7):
     return tokens, n_before, n_img
 
 
-def test_same_tokens_with_different_images_never_share_a_block():
+@ALGS
+def test_same_tokens_with_different_images_never_share_a_block(alg):
     tokens, start, length = _prompt()
-    with_a = block_hashes(ROOT, tokens, [MMPlaceholder(A, start, length)], 4)
-    with_c = block_hashes(ROOT, tokens, [MMPlaceholder(C, start, length)], 4)
+    with_a = hashes_of(alg, tokens, [MMPlaceholder(A, start, length)])
+    with_c = hashes_of(alg, tokens, [MMPlaceholder(C, start, length)])
     assert with_a[0] != with_c[0]  # block 0 holds the image's first placeholder
     assert all(a != c for a, c in zip(with_a, with_c))
     assert len(with_a) == 4
 
 
-def test_identical_images_share_every_block():
+@ALGS
+def test_identical_images_share_every_block(alg):
     tokens, start, length = _prompt()
-    first = block_hashes(ROOT, tokens, [MMPlaceholder(A, start, length)], 4)
-    again = block_hashes(ROOT, tokens, [MMPlaceholder(A_AGAIN, start, length)], 4)
+    first = hashes_of(alg, tokens, [MMPlaceholder(A, start, length)])
+    again = hashes_of(alg, list(tokens), [MMPlaceholder(A_AGAIN, start, length)])
     assert first == again
 
 
-def test_text_blocks_depend_on_images_only_through_the_chain():
+@ALGS
+def test_text_blocks_depend_on_images_only_through_the_chain(alg):
     tokens = list(range(100, 108)) + [IMG] * 4 + list(range(200, 208))
-    with_a = block_hashes(ROOT, tokens, [MMPlaceholder(A, 8, 4)], 4)
-    with_c = block_hashes(ROOT, tokens, [MMPlaceholder(C, 8, 4)], 4)
+    with_a = hashes_of(alg, tokens, [MMPlaceholder(A, 8, 4)])
+    with_c = hashes_of(alg, tokens, [MMPlaceholder(C, 8, 4)])
     assert with_a[:2] == with_c[:2]  # text before the image: untouched
     assert with_a[2] != with_c[2]
     for hashes in (with_a, with_c):  # text after: an empty extra key, chained from the image block
-        assert hashes[3] == hash_block(hashes[2], tokens[12:16], ())
-        assert hashes[4] == hash_block(hashes[3], tokens[16:20], ())
+        assert hashes[3] == hash_block(hashes[2], tokens[12:16], (), algorithm=alg)
+        assert hashes[4] == hash_block(hashes[3], tokens[16:20], (), algorithm=alg)
 
 
 def test_offset_into_the_item_tells_its_blocks_apart():
@@ -116,35 +174,39 @@ def test_offset_into_the_item_tells_its_blocks_apart():
     assert hash_block(h[0], tokens[4:], (ExtraKey(A, 0, 0, 8),)) != h[1]
 
 
-def test_swapped_images_inside_one_block_differ():
+@ALGS
+def test_swapped_images_inside_one_block_differ(alg):
     # (mm_hash, offset) sorted by hash would be {(A, 0), (C, 0)} both ways: position order counts.
     tokens = [IMG] * 8
-    a_then_c = block_hashes(ROOT, tokens, [MMPlaceholder(A, 0, 4), MMPlaceholder(C, 4, 4)], 8)
-    c_then_a = block_hashes(ROOT, tokens, [MMPlaceholder(C, 0, 4), MMPlaceholder(A, 4, 4)], 8)
+    a_then_c = hashes_of(alg, tokens, [MMPlaceholder(A, 0, 4), MMPlaceholder(C, 4, 4)], 8)
+    c_then_a = hashes_of(alg, tokens, [MMPlaceholder(C, 0, 4), MMPlaceholder(A, 4, 4)], 8)
     assert a_then_c != c_then_a
 
 
-def test_item_start_within_the_block_counts():
+@ALGS
+def test_item_start_within_the_block_counts(alg):
     tokens = [1] + [IMG] * 6 + [1]
-    early = block_hashes(ROOT, tokens, [MMPlaceholder(A, 1, 5)], 8)
-    late = block_hashes(ROOT, tokens, [MMPlaceholder(A, 2, 5)], 8)
+    early = hashes_of(alg, tokens, [MMPlaceholder(A, 1, 5)], 8)
+    late = hashes_of(alg, tokens, [MMPlaceholder(A, 2, 5)], 8)
     assert early != late
 
 
-def test_a_later_turn_with_the_same_image_extends_the_earlier_hashes():
+@ALGS
+def test_a_later_turn_with_the_same_image_extends_the_earlier_hashes(alg):
     turn1, start, length = _prompt(n_after=3)
     turn2 = turn1 + [300, 301, 302, 303, 304, 305, 306, 307]
     items = [MMPlaceholder(A, start, length)]
-    h1 = block_hashes(ROOT, turn1, items, 4)
-    h2 = block_hashes(ROOT, turn2, items + [MMPlaceholder(C, len(turn2) - 4, 4)], 4)
+    h1 = hashes_of(alg, turn1, items)
+    h2 = hashes_of(alg, turn2, items + [MMPlaceholder(C, len(turn2) - 4, 4)])
     assert h2[: len(h1)] == h1
     assert len(h2) == len(h1) + 2
 
 
-def test_item_order_in_the_argument_does_not_matter():
+@ALGS
+def test_item_order_in_the_argument_does_not_matter(alg):
     tokens = [IMG] * 4 + [1, 2] + [IMG] * 4 + [3, 4]
     items = [MMPlaceholder(A, 0, 4), MMPlaceholder(C, 6, 4)]
-    assert block_hashes(ROOT, tokens, items, 4) == block_hashes(ROOT, tokens, items[::-1], 4)
+    assert hashes_of(alg, tokens, items) == hashes_of(alg, tokens, items[::-1])
 
 
 @settings(max_examples=60, deadline=None)
@@ -163,16 +225,18 @@ def test_changing_one_image_changes_exactly_the_blocks_from_its_first(n_tokens, 
         items.append(MMPlaceholder(bytes([i]) * 16, pos, length))
         pos += length
     tokens = [IMG] * n_tokens
-    base = block_hashes(ROOT, tokens, items, block_size)
-    assert len(base) == n_tokens // block_size
-    if changed >= len(items):
-        return
-    other = list(items)
-    other[changed] = MMPlaceholder(b"\xff" * 16, items[changed].start, items[changed].length)
-    hashes = block_hashes(ROOT, tokens, other, block_size)
-    first = items[changed].start // block_size
-    assert hashes[:first] == base[:first]
-    assert all(a != b for a, b in zip(hashes[first:], base[first:]))
+    for alg in HASH_ALGORITHMS:  # cheap: every example runs under both algorithms
+        base = hashes_of(alg, tokens, items, block_size)
+        assert len(base) == n_tokens // block_size
+        assert hashes_of(alg, list(tokens), list(items), block_size) == base  # equal inputs, equal keys
+        if changed >= len(items):
+            continue
+        other = list(items)
+        other[changed] = MMPlaceholder(b"\xff" * 16, items[changed].start, items[changed].length)
+        hashes = hashes_of(alg, tokens, other, block_size)
+        first = items[changed].start // block_size
+        assert hashes[:first] == base[:first]
+        assert all(a != b for a, b in zip(hashes[first:], base[first:]))
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -226,11 +290,12 @@ def test_bad_arguments_are_rejected():
         root_hash(-1, None)
 
 
-def test_token_id_sequences_of_any_int_type_agree():
+@ALGS
+def test_token_id_sequences_of_any_int_type_agree(alg):
     import numpy as np
 
     tokens = [5, 6, 2**32 - 1, 0]
-    expected = block_hashes(ROOT, tokens, [], 2)
-    assert block_hashes(ROOT, tuple(tokens), [], 2) == expected
-    assert block_hashes(ROOT, np.array(tokens, dtype=np.int64), [], 2) == expected
-    assert block_hashes(ROOT, np.array(tokens, dtype=np.uint32), [], 2) == expected
+    expected = hashes_of(alg, tokens, [], 2)
+    assert hashes_of(alg, tuple(tokens), [], 2) == expected
+    assert hashes_of(alg, np.array(tokens, dtype=np.int64), [], 2) == expected
+    assert hashes_of(alg, np.array(tokens, dtype=np.uint32), [], 2) == expected

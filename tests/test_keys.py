@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 
 from mmserve.cache import keys as K
 from mmserve.cache.keys import (
+    HASH_ALGORITHMS,
     UncacheableInput,
     WeightFile,
     image_identity,
@@ -28,6 +30,7 @@ from mmserve.cache.keys import (
 
 SIG = 0x0102030405060708
 PROC = 0x1112131415161718
+RUN = {"dtype": "float32", "device_type": "cpu"}  # the runtime half of a model signature
 
 
 def lp(text: str) -> bytes:
@@ -41,7 +44,7 @@ def lp(text: str) -> bytes:
 
 
 def test_layout_versions_and_seeds_are_pinned():
-    assert (K.MODEL_SIG_LAYOUT_VERSION, K.PROCESSOR_DIGEST_LAYOUT_VERSION, K.MM_HASH_LAYOUT_VERSION) == (1, 1, 1)
+    assert (K.MODEL_SIG_LAYOUT_VERSION, K.PROCESSOR_DIGEST_LAYOUT_VERSION, K.MM_HASH_LAYOUT_VERSION) == (2, 1, 1)
     assert K.SEED_MODEL_SIG == 0x4D4D534552560001
     assert K.SEED_PROCESSOR == 0x4D4D534552560002
     assert K.SEED_MM_HASH == 0x4D4D534552560003
@@ -58,8 +61,10 @@ def test_model_sig_layout_bytes_are_pinned():
     config, weights = _sig_parts()
     expected = b"".join(
         [
-            struct.pack("<H", 1),
+            struct.pack("<H", 2),
             lp("demo"),
+            lp("float32"),
+            lp("cpu"),
             struct.pack("<I", 2),
             lp("config.json") + struct.pack("<Q", 7) + b'{"a":1}',
             lp("tokenizer.json") + struct.pack("<Q", 1) + b"T",
@@ -68,15 +73,46 @@ def test_model_sig_layout_bytes_are_pinned():
             struct.pack("<B", 16) + bytes(range(16)),
         ]
     )
-    layout = K.model_sig_layout("demo", config, weights)
+    layout = K.model_sig_layout("demo", config, weights, **RUN)
     assert layout == expected
     assert layout.hex() == (
-        "01000400000064656d6f020000000b000000636f6e6669672e6a736f6e07000000000000007b2261223a317d"
+        "02000400000064656d6f07000000666c6f617433320300000063707502000000"
+        "0b000000636f6e6669672e6a736f6e07000000000000007b2261223a317d"
         "0e000000746f6b656e697a65722e6a736f6e010000000000000054010000001100000"
         "06d6f64656c2e7361666574656e736f7273640000000000000008000000000000007b2278223a7b7d7d"
         "10000102030405060708090a0b0c0d0e0f"
     )
-    assert model_sig_from_parts("demo", config, weights) == 0x17FD6EB0F888528A
+    assert model_sig_from_parts("demo", config, weights, **RUN) == 0xA534A385B1E4A160
+
+
+def test_model_sig_separates_dtypes_and_device_types():
+    config, weights = _sig_parts()
+    sigs = {
+        (dtype, device): model_sig_from_parts("demo", config, weights, dtype=dtype, device_type=device)
+        for dtype in ("float32", "float16", "bfloat16")
+        for device in ("cpu", "cuda")
+    }
+    assert len(set(sigs.values())) == len(sigs)
+    assert sigs["float16", "cpu"] == 0x52A30931F2857A76
+    assert sigs["float32", "cuda"] == 0x8E9CA8FC24B1712D
+    assert sigs["float16", "cuda"] == 0x6C512BB34DE8355A
+
+
+def test_model_sig_runtime_fields_are_required_and_validated():
+    config, weights = _sig_parts()
+    with pytest.raises(TypeError):
+        model_sig_from_parts("demo", config, weights)  # no silent default to fp32/cpu
+    with pytest.raises(TypeError):
+        model_sig_from_parts("demo", config, weights, "float32", "cpu")  # keyword-only
+    bad_runs = [
+        {"dtype": "", "device_type": "cpu"},
+        {"dtype": "float32", "device_type": ""},
+        {"dtype": "float32", "device_type": "cuda:0"},  # the type only, never an index
+        {"dtype": None, "device_type": "cpu"},
+    ]
+    for bad in bad_runs:
+        with pytest.raises(ValueError):
+            model_sig_from_parts("demo", config, weights, **bad)
 
 
 def test_processor_digest_is_pinned_and_canonical():
@@ -112,6 +148,86 @@ def test_audio_header_and_hash_are_pinned():
     header = K.audio_header(1, 2, samples, 16000)
     assert header == struct.pack("<HBQQI", 1, 2, 1, 2, 16000) + lp("<f4") + struct.pack("<II", 1, 3)
     assert mm_hash_audio(1, 2, samples, 16000).hex() == "8a58fa4be386ed2107553a47b39725c3"
+
+
+# -- sha256 content keys (vLLM CVE-2025-25183) ---------------------------------------------------
+
+
+def _sha256_key(seed: int, *parts: bytes) -> bytes:
+    """The documented sha256 construction, written out independently of the module."""
+    return hashlib.sha256(struct.pack("<Q", seed) + b"".join(parts)).digest()[:16]
+
+
+def test_hash_algorithms_match_the_config():
+    from mmserve.runtime.config import HASH_ALGORITHMS as CONFIG_HASH_ALGORITHMS
+
+    assert HASH_ALGORITHMS == CONFIG_HASH_ALGORITHMS == ("xxh3_128", "sha256")
+
+
+def test_sha256_image_and_audio_keys_are_pinned():
+    pixels = np.arange(18, dtype=np.uint8).reshape(2, 3, 3)
+    key = mm_hash_image(SIG, PROC, "RGB", (3, 2), pixels, algorithm="sha256")
+    assert key.hex() == "8274954e4047d522f3c2d37afc2d303d"
+    assert key == _sha256_key(K.SEED_MM_HASH, K.image_header(SIG, PROC, "RGB", (3, 2), pixels), pixels.tobytes())
+    samples = np.array([0.0, 0.5, -1.0], dtype=np.float32)
+    audio = mm_hash_audio(1, 2, samples, 16000, algorithm="sha256")
+    assert audio.hex() == "b433abe40cc2cd40ef5396e1e3fea71f"
+    assert audio == _sha256_key(K.SEED_MM_HASH, K.audio_header(1, 2, samples, 16000), samples.tobytes())
+
+
+def test_the_default_algorithm_is_xxh3_and_the_two_never_agree():
+    pixels = _rgb()
+    samples = np.sin(np.arange(64, dtype=np.float32))
+    img = Image.fromarray(pixels)
+    xxh3 = mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels)
+    assert mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels, algorithm="xxh3_128") == xxh3
+    assert mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels, algorithm="sha256") != xxh3
+    assert mm_hash_audio(SIG, PROC, samples, 8000, algorithm="sha256") != mm_hash_audio(SIG, PROC, samples, 8000)
+    assert image_identity(SIG, PROC, img, algorithm="sha256") != image_identity(SIG, PROC, img)
+    assert image_identity(SIG, PROC, img, algorithm="xxh3_128") == image_identity(SIG, PROC, img) == xxh3
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_each_algorithm_gives_equal_keys_for_equal_inputs_only(algorithm):
+    pixels = _rgb()
+    base = mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels, algorithm=algorithm)
+    assert len(base) == 16
+    assert mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels.copy(), algorithm=algorithm) == base
+    as_float = pixels.astype("<f4")
+    assert mm_hash_image(SIG, PROC, "RGB", (8, 6), as_float.astype(">f4"), algorithm=algorithm) == mm_hash_image(
+        SIG, PROC, "RGB", (8, 6), as_float, algorithm=algorithm
+    )
+    flipped = pixels.copy()
+    flipped[0, 0, 0] ^= 1
+    others = [
+        mm_hash_image(SIG, PROC, "RGB", (8, 6), flipped, algorithm=algorithm),
+        mm_hash_image(SIG + 1, PROC, "RGB", (8, 6), pixels, algorithm=algorithm),
+        mm_hash_image(SIG, PROC + 1, "RGB", (8, 6), pixels, algorithm=algorithm),
+        mm_hash_audio(SIG, PROC, pixels.reshape(-1), 8, algorithm=algorithm),
+    ]
+    assert len({base, *others}) == 1 + len(others)
+    jpeg = _decode(_encode(Image.fromarray(pixels), "JPEG", quality=80))
+    png = _decode(_encode(jpeg, "PNG"))
+    key = image_identity(SIG, PROC, jpeg, algorithm=algorithm)
+    assert key == image_identity(SIG, PROC, png, algorithm=algorithm)
+    assert key == mm_hash_image(SIG, PROC, "RGB", jpeg.size, np.asarray(jpeg), algorithm=algorithm)
+    assert image_identity(SIG, PROC, jpeg.convert("P"), algorithm=algorithm) is None
+
+
+def test_an_unknown_algorithm_is_rejected_naming_the_allowed_ones():
+    pixels = _rgb()
+    calls = [
+        lambda alg: mm_hash_image(SIG, PROC, "RGB", (8, 6), pixels, algorithm=alg),
+        lambda alg: mm_hash_audio(SIG, PROC, pixels.reshape(-1), 8, algorithm=alg),
+        lambda alg: image_identity(SIG, PROC, Image.fromarray(pixels), algorithm=alg),
+        lambda alg: image_identity(SIG, PROC, Image.fromarray(pixels).convert("P"), algorithm=alg),  # not None
+        K.check_hash_algorithm,
+    ]
+    for call in calls:
+        for bad in ("md5", "SHA256", "xxh3_64", "", None):
+            with pytest.raises(ValueError, match="xxh3_128.*sha256"):
+                call(bad)
+    assert K.check_hash_algorithm("sha256") == "sha256"
 
 
 # -- processor digest --------------------------------------------------------------------------
@@ -294,49 +410,62 @@ def test_model_sig_same_checkpoint_anywhere_gives_the_same_sig(tmp_path):
     b = tmp_path / "elsewhere" / "b"
     shutil.copytree(a, b)
     (b / "README.md").write_text("not part of the model")
-    assert model_sig("demo", a) == model_sig("demo", b)
-    assert 0 <= model_sig("demo", a) < 2**64
+    assert model_sig("demo", a, **RUN) == model_sig("demo", b, **RUN)
+    assert 0 <= model_sig("demo", a, **RUN) < 2**64
+
+
+def test_model_sig_from_files_covers_dtype_and_device_type(tmp_path):
+    path = _write_model(tmp_path / "m")
+    sigs = {
+        model_sig("demo", path, dtype="float32", device_type="cpu"),
+        model_sig("demo", path, dtype="float16", device_type="cpu"),
+        model_sig("demo", path, dtype="float32", device_type="cuda"),
+        model_sig("demo", path, dtype="float16", device_type="cuda"),
+    }
+    assert len(sigs) == 4
+    with pytest.raises(TypeError):
+        model_sig("demo", path)  # dtype and device_type have no default
 
 
 def test_model_sig_differs_for_any_other_checkpoint_under_the_same_name(tmp_path):
-    base = model_sig("demo", _write_model(tmp_path / "base"))
+    base = model_sig("demo", _write_model(tmp_path / "base"), **RUN)
     others = [
-        model_sig("other", _write_model(tmp_path / "name")),
-        model_sig("demo", _write_model(tmp_path / "finetune", seed=1)),  # same shapes, same hidden size
-        model_sig("demo", _write_model(tmp_path / "config", config={"hidden_size": 8, "x": 1})),
-        model_sig("demo", _write_model(tmp_path / "tok", extra={"tokenizer_config.json": "{}"})),
-        model_sig("demo", _write_model(tmp_path / "proc", extra={"preprocessor_config.json": "{}"})),
+        model_sig("other", _write_model(tmp_path / "name"), **RUN),
+        model_sig("demo", _write_model(tmp_path / "finetune", seed=1), **RUN),  # same shapes, same hidden size
+        model_sig("demo", _write_model(tmp_path / "config", config={"hidden_size": 8, "x": 1}), **RUN),
+        model_sig("demo", _write_model(tmp_path / "tok", extra={"tokenizer_config.json": "{}"}), **RUN),
+        model_sig("demo", _write_model(tmp_path / "proc", extra={"preprocessor_config.json": "{}"}), **RUN),
     ]
     assert len({base, *others}) == 1 + len(others)
 
 
 def test_model_sig_without_weight_content_still_sees_headers_and_sizes(tmp_path):
-    a = model_sig("demo", _write_model(tmp_path / "a"), hash_weights=False)
-    finetune = model_sig("demo", _write_model(tmp_path / "b", seed=1), hash_weights=False)
-    wider = model_sig("demo", _write_model(tmp_path / "c", hidden=16), hash_weights=False)
+    a = model_sig("demo", _write_model(tmp_path / "a"), **RUN, hash_weights=False)
+    finetune = model_sig("demo", _write_model(tmp_path / "b", seed=1), **RUN, hash_weights=False)
+    wider = model_sig("demo", _write_model(tmp_path / "c", hidden=16), **RUN, hash_weights=False)
     assert a == finetune  # the documented blind spot of hash_weights=False
     assert a != wider
 
 
 def test_model_sig_covers_bin_weights(tmp_path):
     path = _write_model(tmp_path / "m")
-    base = model_sig("demo", path)
+    base = model_sig("demo", path, **RUN)
     (path / "pytorch_model.bin").write_bytes(b"\x00" * 32)
-    with_bin = model_sig("demo", path)
+    with_bin = model_sig("demo", path, **RUN)
     (path / "pytorch_model.bin").write_bytes(b"\x01" + b"\x00" * 31)
-    assert len({base, with_bin, model_sig("demo", path)}) == 3
+    assert len({base, with_bin, model_sig("demo", path, **RUN)}) == 3
 
 
 def test_model_sig_rejects_missing_or_corrupt_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError):
-        model_sig("demo", tmp_path / "missing")
+        model_sig("demo", tmp_path / "missing", **RUN)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
-        model_sig("demo", tmp_path / "empty")
+        model_sig("demo", tmp_path / "empty", **RUN)
     path = _write_model(tmp_path / "corrupt")
     (path / "model.safetensors").write_bytes(struct.pack("<Q", 10**12) + b"{}")
     with pytest.raises(ValueError):
-        model_sig("demo", path)
+        model_sig("demo", path, **RUN)
 
 
 def test_read_safetensors_header(tmp_path):
@@ -349,5 +478,5 @@ def test_read_safetensors_header(tmp_path):
 
 def test_key_prefix():
     assert key_prefix(bytes(range(16))) == "000102030405"
-    assert key_prefix(0x17FD6EB0F888528A) == "17fd6eb0f888"
+    assert key_prefix(0xA534A385B1E4A160) == "a534a385b1e4"
     assert key_prefix(1) == "000000000000"

@@ -10,6 +10,11 @@ Each item in the extra key is (mm_hash, offset into the item, start within the b
 in placeholder order. The offset tells the k-th block of an image from its (k+1)-th; position order
 and the start within the block tell "A then B" from "B then A" inside one block (a multiset of
 (mm_hash, offset) pairs would not: both images have offset 0 there).
+
+`algorithm` ("xxh3_128" by default, or "sha256": `[prefix_cache] hash`, see `keys`) picks the hash
+over these same layouts; under "sha256" a hash is SHA-256 of the seed (u64 LE) then the layout,
+truncated to 16 bytes. The root and every block of one chain must use one algorithm: a chain's
+algorithm is the one its root was made with.
 """
 
 from __future__ import annotations
@@ -18,12 +23,22 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import xxhash
 
-from mmserve.cache.keys import SEED_BLOCK_HASH, lp_str, u8, u16, u32, u64
+from mmserve.cache.keys import (
+    CONTENT_KEY_BYTES,
+    HASH_XXH3_128,
+    SEED_BLOCK_HASH,
+    check_hash_algorithm,
+    content_key,
+    lp_str,
+    u8,
+    u16,
+    u32,
+    u64,
+)
 
 BLOCK_HASH_LAYOUT_VERSION = 1
-HASH_BYTES = 16
+HASH_BYTES = CONTENT_KEY_BYTES
 
 
 @dataclass(frozen=True)
@@ -62,9 +77,9 @@ def root_layout(model_sig: int, cache_salt: str | None) -> bytes:
     return u16(BLOCK_HASH_LAYOUT_VERSION) + u64(model_sig, "model_sig") + has_salt + lp_str(salt)
 
 
-def root_hash(model_sig: int, cache_salt: str | None) -> bytes:
+def root_hash(model_sig: int, cache_salt: str | None, *, algorithm: str = HASH_XXH3_128) -> bytes:
     """The 16-byte hash block 0 chains from: a different model or salt shares no block."""
-    return xxhash.xxh3_128_digest(root_layout(model_sig, cache_salt), seed=SEED_BLOCK_HASH)
+    return content_key(root_layout(model_sig, cache_salt), SEED_BLOCK_HASH, algorithm)
 
 
 def block_layout(prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey]) -> bytes:
@@ -79,9 +94,11 @@ def block_layout(prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey
     return b"".join(parts)
 
 
-def hash_block(prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey]) -> bytes:
+def hash_block(
+    prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey], *, algorithm: str = HASH_XXH3_128
+) -> bytes:
     """The 16-byte hash of one block chained from `prev`."""
-    return xxhash.xxh3_128_digest(block_layout(prev, token_ids, extra), seed=SEED_BLOCK_HASH)
+    return content_key(block_layout(prev, token_ids, extra), SEED_BLOCK_HASH, algorithm)
 
 
 def block_extra_keys(items: Sequence[MMPlaceholder], block_start: int, block_end: int) -> tuple[ExtraKey, ...]:
@@ -94,13 +111,19 @@ def block_extra_keys(items: Sequence[MMPlaceholder], block_start: int, block_end
 
 
 def block_hashes(
-    root: bytes, token_ids: Sequence[int], mm_items: Sequence[MMPlaceholder], block_size: int
+    root: bytes,
+    token_ids: Sequence[int],
+    mm_items: Sequence[MMPlaceholder],
+    block_size: int,
+    *,
+    algorithm: str = HASH_XXH3_128,
 ) -> list[bytes]:
     """Chained hashes of the full blocks of `token_ids` (a trailing partial block gets none).
 
-    Raises ValueError when a placeholder runs past the tokens or two placeholders overlap; items
-    may come in any order.
+    Raises ValueError when a placeholder runs past the tokens or two placeholders overlap, or
+    `algorithm` is unknown; items may come in any order. Pass the algorithm `root` was made with.
     """
+    check_hash_algorithm(algorithm)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     tokens = _token_array(token_ids)
@@ -108,7 +131,7 @@ def block_hashes(
     hashes, prev = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         end = start + block_size
-        prev = hash_block(prev, tokens[start:end], block_extra_keys(items, start, end))
+        prev = hash_block(prev, tokens[start:end], block_extra_keys(items, start, end), algorithm=algorithm)
         hashes.append(prev)
     return hashes
 

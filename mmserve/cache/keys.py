@@ -5,12 +5,21 @@ key means the same thing in every process and on every machine (no Python `hash(
 randomness). Each layout has a version constant; changing a layout means bumping its version, and
 tests pin the exact bytes and digests of every layout.
 
+The tenant-controlled 128-bit content keys (mm_hash here, block hashes in `block_hash`) take an
+`algorithm`: "xxh3_128" (the default) or "sha256" (`[prefix_cache] hash`). xxh3 with a public seed
+lets a tenant craft two inputs with one key (vLLM CVE-2025-25183); SHA-256 does not. Under
+"sha256" a key is SHA-256 over the same byte layout, truncated to the same 16 bytes, with the seed's
+role played by a domain-separation prefix: the seed as 8 little-endian bytes, prepended. The two
+algorithms therefore never share a key space. `model_sig` and `processor_digest` stay xxh3_64: their
+inputs come from the operator's model directory, not from tenants.
+
 Identity lives in the key (DESIGN.md F1, F5): an `mm_hash` folds in the model signature and the
 processor settings, so two models, or one model under two processor settings, never share an entry.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -20,7 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import xxhash
 
-MODEL_SIG_LAYOUT_VERSION = 1
+MODEL_SIG_LAYOUT_VERSION = 2
 PROCESSOR_DIGEST_LAYOUT_VERSION = 1
 MM_HASH_LAYOUT_VERSION = 1
 
@@ -34,6 +43,13 @@ SEED_PROCESSOR = 0x4D4D_5345_5256_0002
 SEED_MM_HASH = 0x4D4D_5345_5256_0003
 SEED_BLOCK_HASH = 0x4D4D_5345_5256_0004
 SEED_WEIGHT_CONTENT = 0x4D4D_5345_5256_0005
+
+# Hash algorithms of the tenant-controlled content keys. Kept equal to
+# mmserve.runtime.config.HASH_ALGORITHMS (cache/ does not import config; a test checks they agree).
+HASH_XXH3_128 = "xxh3_128"
+HASH_SHA256 = "sha256"
+HASH_ALGORITHMS = (HASH_XXH3_128, HASH_SHA256)
+CONTENT_KEY_BYTES = 16
 
 # Image modes whose pixel array alone says what the image looks like. 'P'/'PA' need their palette,
 # 'I;16'-style and exotic modes are left to the caller to convert first: uncacheable until then.
@@ -112,6 +128,48 @@ def key_prefix(key: bytes | int) -> str:
     return bytes(key[:6]).hex()
 
 
+# -- content-key hashing (xxh3_128 | sha256) ----------------------------------------------------
+
+
+def check_hash_algorithm(algorithm: str) -> str:
+    """`algorithm` itself if it is one of HASH_ALGORITHMS; ValueError naming the allowed ones if not."""
+    if not isinstance(algorithm, str) or algorithm not in HASH_ALGORITHMS:
+        raise ValueError(f"hash algorithm must be one of {list(HASH_ALGORITHMS)}, got {algorithm!r}")
+    return algorithm
+
+
+class _Sha256Key:
+    """Streaming SHA-256 with a domain prefix (the seed, u64 LE), digest truncated to 16 bytes."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, seed: int):
+        self._h = hashlib.sha256(u64(seed, "seed"))
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()[:CONTENT_KEY_BYTES]
+
+
+def content_hasher(seed: int, algorithm: str = HASH_XXH3_128):
+    """A streaming hasher (`update`, `digest` → 16 bytes) for one kind of content key."""
+    if check_hash_algorithm(algorithm) == HASH_XXH3_128:
+        return xxhash.xxh3_128(seed=seed)
+    return _Sha256Key(seed)
+
+
+def content_key(data: bytes, seed: int, algorithm: str = HASH_XXH3_128) -> bytes:
+    """The 16-byte key of `data` under `algorithm`: xxh3_128(data, seed), or
+    sha256(u64 LE seed | data) truncated to 16 bytes."""
+    if check_hash_algorithm(algorithm) == HASH_XXH3_128:
+        return xxhash.xxh3_128_digest(data, seed=seed)
+    h = hashlib.sha256(u64(seed, "seed"))
+    h.update(data)
+    return h.digest()[:CONTENT_KEY_BYTES]
+
+
 # -- model signature ----------------------------------------------------------------------------
 
 
@@ -129,20 +187,41 @@ class WeightFile:
     content_digest: bytes = b""
 
 
-def model_sig_layout(name: str, config_files: Mapping[str, bytes], weight_files: Sequence[WeightFile]) -> bytes:
-    """The bytes `model_sig` hashes (layout version 1).
+def model_sig_layout(
+    name: str,
+    config_files: Mapping[str, bytes],
+    weight_files: Sequence[WeightFile],
+    *,
+    dtype: str,
+    device_type: str,
+) -> bytes:
+    """The bytes `model_sig` hashes (layout version 2).
 
-    u16 version | name (u32 len + utf-8)
+    u16 version | name (u32 len + utf-8) | dtype (u32 len + utf-8, e.g. 'float32')
+    | device type (u32 len + utf-8, e.g. 'cpu', 'cuda'; the type only, never an index)
     | u32 #config files | per file, sorted by name: name (u32 len + utf-8), content (u64 len + bytes)
     | u32 #weight files | per file, sorted by name: name (u32 len + utf-8), u64 size,
                           header (u64 len + bytes), content digest (u8 len + bytes)
+
+    dtype and device type are in the signature because the same checkpoint run in fp16 and in fp32
+    (or on cpu and on cuda) produces different encoder outputs and KV: one cache must never mix them.
     """
     if not name:
         raise ValueError("model name must be non-empty")
+    if not isinstance(dtype, str) or not dtype:
+        raise ValueError(f"dtype must be a non-empty string such as 'float32', got {dtype!r}")
+    if not isinstance(device_type, str) or not device_type or ":" in device_type:
+        raise ValueError(f"device_type must be a device type such as 'cpu' or 'cuda' (no index), got {device_type!r}")
     names = [w.name for w in weight_files]
     if len(set(names)) != len(names):
         raise ValueError("duplicate weight file names")
-    parts = [u16(MODEL_SIG_LAYOUT_VERSION), lp_str(name), u32(len(config_files), "config file count")]
+    parts = [
+        u16(MODEL_SIG_LAYOUT_VERSION),
+        lp_str(name),
+        lp_str(dtype),
+        lp_str(device_type),
+        u32(len(config_files), "config file count"),
+    ]
     for file_name in sorted(config_files):
         content = bytes(config_files[file_name])
         parts += [lp_str(file_name), u64(len(content)), content]
@@ -154,20 +233,33 @@ def model_sig_layout(name: str, config_files: Mapping[str, bytes], weight_files:
 
 
 def model_sig_from_parts(
-    name: str, config_files: Mapping[str, bytes], weight_files: Sequence[WeightFile]
+    name: str,
+    config_files: Mapping[str, bytes],
+    weight_files: Sequence[WeightFile],
+    *,
+    dtype: str,
+    device_type: str,
 ) -> int:
     """The 64-bit model signature from already-read parts (the pure half of `model_sig`)."""
-    return xxhash.xxh3_64_intdigest(model_sig_layout(name, config_files, weight_files), seed=SEED_MODEL_SIG)
+    layout = model_sig_layout(name, config_files, weight_files, dtype=dtype, device_type=device_type)
+    return xxhash.xxh3_64_intdigest(layout, seed=SEED_MODEL_SIG)
 
 
-def model_sig(name: str, model_dir: str | Path, *, hash_weights: bool = True) -> int:
-    """The 64-bit signature of model `name` stored in `model_dir`.
+def model_sig(
+    name: str, model_dir: str | Path, *, dtype: str, device_type: str, hash_weights: bool = True
+) -> int:
+    """The 64-bit signature of model `name` stored in `model_dir`, run in `dtype` on `device_type`.
 
-    Covers the stable name, every config/processor/tokenizer/chat-template file and every weight
-    file (name, size, safetensors header and, by default, a digest of the full content: two
-    fine-tunes of one architecture have identical headers and sizes, so only the content tells them
-    apart). `hash_weights=False` skips reading the weights: cheaper, but then a checkpoint whose
-    weights changed in place with the same shapes keeps its signature.
+    Covers the stable name, the runtime dtype ('float32', 'float16', ...) and device type ('cpu',
+    'cuda'; not the index: every GPU of one type computes the same values), every
+    config/processor/tokenizer/chat-template file and every weight file (name, size, safetensors
+    header and, by default, a digest of the full content: two fine-tunes of one architecture have
+    identical headers and sizes, so only the content tells them apart). `hash_weights=False` skips
+    reading the weights: cheaper, but then a checkpoint whose weights changed in place with the
+    same shapes keeps its signature.
+
+    dtype and device_type have no defaults on purpose: a default would let a caller running fp16
+    on cuda silently compute the fp32/cpu signature, the very mix-up they are in the key to prevent.
     """
     root = Path(model_dir)
     if not root.is_dir():
@@ -175,7 +267,7 @@ def model_sig(name: str, model_dir: str | Path, *, hash_weights: bool = True) ->
     weights = [read_weight_file(root, p, hash_content=hash_weights) for p in _weight_paths(root)]
     if not weights:
         raise FileNotFoundError(f"model {name!r}: no *.safetensors or *.bin weight files in {root}")
-    return model_sig_from_parts(name, read_config_files(root), weights)
+    return model_sig_from_parts(name, read_config_files(root), weights, dtype=dtype, device_type=device_type)
 
 
 def read_config_files(model_dir: str | Path) -> dict[str, bytes]:
@@ -270,8 +362,8 @@ def _array_header(arr: np.ndarray) -> bytes:
     return lp_str(arr.dtype.str, "ascii") + u32(arr.ndim) + shape
 
 
-def _mm_digest(header: bytes, arr: np.ndarray) -> bytes:
-    hasher = xxhash.xxh3_128(seed=SEED_MM_HASH)
+def _mm_digest(header: bytes, arr: np.ndarray, algorithm: str) -> bytes:
+    hasher = content_hasher(SEED_MM_HASH, algorithm)
     hasher.update(header)
     hasher.update(arr)
     return hasher.digest()
@@ -309,16 +401,23 @@ def _mm_prefix(modality: int, model_sig: int, processor_digest: int) -> bytes:
 
 
 def mm_hash_image(
-    model_sig: int, processor_digest: int, mode: str, size: tuple[int, int], pixels: np.ndarray
+    model_sig: int,
+    processor_digest: int,
+    mode: str,
+    size: tuple[int, int],
+    pixels: np.ndarray,
+    *,
+    algorithm: str = HASH_XXH3_128,
 ) -> bytes:
-    """16-byte content key of a decoded image: xxh3_128 over `image_header` + pixel bytes.
+    """16-byte content key of a decoded image: `algorithm` over `image_header` + pixel bytes.
 
     `pixels` is the decoded array as the processor will see it (e.g. `np.asarray(pil_image)`,
     shape [height, width(, channels)]); byte order is normalised to little-endian, so equal values
     give equal keys on every machine. Raises UncacheableInput when no faithful key exists.
     """
+    check_hash_algorithm(algorithm)
     arr = _hashable_array(pixels, "pixels")
-    return _mm_digest(image_header(model_sig, processor_digest, mode, size, arr), arr)
+    return _mm_digest(image_header(model_sig, processor_digest, mode, size, arr), arr, algorithm)
 
 
 def audio_header(model_sig: int, processor_digest: int, samples: np.ndarray, sample_rate: int) -> bytes:
@@ -335,13 +434,23 @@ def audio_header(model_sig: int, processor_digest: int, samples: np.ndarray, sam
     return prefix + u32(sample_rate, "sample_rate") + _array_header(samples)
 
 
-def mm_hash_audio(model_sig: int, processor_digest: int, samples: np.ndarray, sample_rate: int) -> bytes:
-    """16-byte content key of decoded PCM audio: xxh3_128 over `audio_header` + sample bytes."""
+def mm_hash_audio(
+    model_sig: int,
+    processor_digest: int,
+    samples: np.ndarray,
+    sample_rate: int,
+    *,
+    algorithm: str = HASH_XXH3_128,
+) -> bytes:
+    """16-byte content key of decoded PCM audio: `algorithm` over `audio_header` + sample bytes."""
+    check_hash_algorithm(algorithm)
     arr = _hashable_array(samples, "samples")
-    return _mm_digest(audio_header(model_sig, processor_digest, arr, sample_rate), arr)
+    return _mm_digest(audio_header(model_sig, processor_digest, arr, sample_rate), arr, algorithm)
 
 
-def image_identity(model_sig: int, processor_digest: int, pil_image) -> bytes | None:
+def image_identity(
+    model_sig: int, processor_digest: int, pil_image, *, algorithm: str = HASH_XXH3_128
+) -> bytes | None:
     """The mm_hash of a PIL image, or None when it has no faithful identity.
 
     None means "encode it fresh and never store the result": an uncacheable mode ('P' needs its
@@ -349,7 +458,8 @@ def image_identity(model_sig: int, processor_digest: int, pil_image) -> bytes | 
     with the image's size. Hash the image exactly as the processor will receive it (after any
     EXIF transpose or mode conversion the pipeline applies).
     """
-    _mm_prefix(MODALITY_IMAGE, model_sig, processor_digest)  # caller bugs raise, never None
+    check_hash_algorithm(algorithm)  # caller bugs raise, never None
+    _mm_prefix(MODALITY_IMAGE, model_sig, processor_digest)
     if pil_image.mode not in CACHEABLE_IMAGE_MODES:
         return None
     try:
@@ -357,6 +467,8 @@ def image_identity(model_sig: int, processor_digest: int, pil_image) -> bytes | 
     except (OSError, ValueError, SyntaxError):  # truncated or corrupt image data
         return None
     try:
-        return mm_hash_image(model_sig, processor_digest, pil_image.mode, pil_image.size, pixels)
+        return mm_hash_image(
+            model_sig, processor_digest, pil_image.mode, pil_image.size, pixels, algorithm=algorithm
+        )
     except UncacheableInput:
         return None

@@ -20,7 +20,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCach
 from transformers.cache_utils import Cache
 from transformers.utils import logging as hf_logging
 
-from mmserve.cache.keys import model_sig, processor_digest
+from mmserve.cache.keys import check_hash_algorithm, model_sig, processor_digest
 from mmserve.models.kv_buffer import buffered_cache, empty_buffers
 
 hf_logging.disable_progress_bar()
@@ -64,7 +64,9 @@ class StepOutput:
 class LlavaAdapter:
     """One loaded LLaVA-family model (processor + weights) on a device."""
 
-    def __init__(self, name: str, path: str | Path, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, name: str, path: str | Path, device: str = "cpu", dtype: str = "float32", *,
+                 hash_algorithm: str = "xxh3_128"):
+        self.hash_algorithm = check_hash_algorithm(hash_algorithm)  # of block and multimodal keys
         self.name = name
         self.path = Path(path)
         if not self.path.is_dir():
@@ -85,7 +87,8 @@ class LlavaAdapter:
         self.kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
         self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
         self.answer_lead = self._answer_lead()
-        self.model_sig = model_sig(name, self.path)
+        dtype_name = str(self.dtype).removeprefix("torch.")  # 'float32', 'float16', 'bfloat16'
+        self.model_sig = model_sig(name, self.path, dtype=dtype_name, device_type=self.device.type)
         self.processor_digest = processor_digest(self.processor.image_processor.to_dict())
 
     def _eos_ids(self) -> list[int]:
