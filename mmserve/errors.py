@@ -7,6 +7,40 @@ directly.
 
 from __future__ import annotations
 
+import math
+
+CLIP_CHARS = 256
+"""The most characters of caller input an error message echoes (see `clip`)."""
+
+# ints above this many bits are not rendered: repr() of one with more than 4300 digits raises, and
+# even a shorter one is only noise in a message
+_INT_BITS_SHOWN = 512
+
+
+def clip(value: object, limit: int = CLIP_CHARS) -> str:
+    """A repr-like rendering of caller input for an error message, at most `limit` characters.
+
+    Error bodies echo what the caller sent so the mistake can be found, but a 1 MB model name or a
+    10**400 temperature must not come back 1 MB long (or, for ints past 4300 digits, make repr()
+    raise and turn a 400 into a 500). A cut value ends in an ellipsis and its original length.
+    Lone surrogates and control characters come out escaped, so the text is always encodable.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _INT_BITS_SHOWN:
+        digits = math.floor(value.bit_length() * math.log10(2)) + 1
+        return f"<an integer of about {digits} digits>"
+    if isinstance(value, str):
+        text, size = repr(value[:limit]), len(value)  # slice first: repr of 1 MB is 1 MB of work
+    else:
+        try:
+            text = repr(value)
+        except (ValueError, RecursionError):  # a huge int inside a container, or a cycle too deep
+            text = f"<{type(value).__name__}>"
+        size = len(text)
+    if len(text) <= limit and size <= limit:
+        return text
+    suffix = f"… ({size} characters)"
+    return text[: max(0, limit - len(suffix))] + suffix
+
 
 class MMServeError(Exception):
     """Base of every error mmserve reports to a caller."""
@@ -44,6 +78,14 @@ class UnsupportedParameter(BadRequest):
     """A valid OpenAI parameter that mmserve does not implement: refused, never silently ignored."""
 
     code = "unsupported_parameter"
+
+
+class UnsupportedMediaType(MMServeError):
+    """A request body whose Content-Type is not JSON (HTTP 415): refused rather than guessed at."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class Unauthorized(MMServeError):

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from mmserve.errors import MMServeError
+from mmserve.errors import CLIP_CHARS, MMServeError
 from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.request import parse_chat_request
+from mmserve.runtime.request import TextPart, parse_chat_request
 from tests.helpers import ServerThread, colour_question, data_url
 
 OK_IMG = data_url(Image.new("RGB", (16, 16), "red"))
@@ -31,6 +31,13 @@ def msgs(*m):
 
 U = {"role": "user", "content": "hi"}
 B64 = lambda data, mime="image/png": f"data:{mime};base64," + base64.b64encode(data).decode()  # noqa: E731
+U_RAW = b'{"messages": [{"role": "user", "content": "hi"}]'
+
+
+def nest(value, depth: int, as_list: bool = True):
+    for _ in range(depth):
+        value = [value] if as_list else {"a": value}
+    return value
 
 CORPUS = [
     # (name, raw body or json, status, error type)
@@ -83,6 +90,15 @@ CORPUS = [
     ("cache_salt number", {**msgs(U), "cache_salt": 5}, 400), ("cache_salt empty", {**msgs(U), "cache_salt": ""}, 400),
     ("too many messages", {"messages": [U] * 300}, 400),
     ("prompt too long", msgs({"role": "user", "content": "word " * 20000}), 400),
+    ("lone surrogate text", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400),
+    ("lone surrogate key", U_RAW + b', "\\udfff": 1}', 400),
+    ("lone surrogate salt", U_RAW + b', "cache_salt": "\\udc00"}', 400),
+    ("deep arrays", U_RAW + b', "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    ("deep objects", U_RAW + b', "metadata": ' + b'{"a":' * 5_000 + b"0" + b"}" * 5_001, 400),
+    ("depth 65", {**msgs(U), "metadata": nest(0, 64)}, 400),
+    ("integer literal too long", U_RAW + b', "max_tokens": ' + b"7" * 5_000 + b"}", 400),
+    ("temperature 10**400", {**msgs(U), "temperature": 10**400}, 400),
+    ("top_k 10**400", {**msgs(U), "top_k": -(10**400)}, 400),
 ]
 
 
@@ -108,11 +124,17 @@ def test_malformed_request(client, name, body, status):
     assert ok.status_code == 200
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                    max_leaves=12)
+SURROGATE = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"])
+TEXT = st.text(max_size=8) | st.builds(lambda a, s, b: a + s + b, st.text(max_size=3), SURROGATE, st.text(max_size=3))
+# past float's range, seed's range and repr()'s 4300 digits (built lazily: hypothesis reprs a sampled_from's list)
+HUGE = st.sampled_from([(10, 400), (-10, 401), (2, 64), (10, 5000), (-2, 63)]).map(lambda be: be[0] ** be[1])
+LEAF = st.none() | st.booleans() | st.integers() | HUGE | st.floats() | TEXT
+SHALLOW = st.recursive(LEAF, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                       max_leaves=12)
+DEEP = st.builds(nest, SHALLOW, st.integers(55, 3_000), st.booleans())  # around max_json_depth, and far past it
+JSON = SHALLOW | DEEP
 KEYS = st.sampled_from(["model", "messages", "temperature", "top_p", "max_tokens", "stop", "stream", "seed",
-                        "stream_options", "n", "top_k", "cache_salt", "tools"])
+                        "stream_options", "n", "top_k", "cache_salt", "tools", "user", "metadata"]) | TEXT
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | JSON},
                                 optional={"content": JSON | st.lists(st.fixed_dictionaries(
                                     {"type": st.sampled_from(["text", "image_url", "x"]) | JSON},
@@ -121,9 +143,18 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
 
 @settings(max_examples=400, deadline=None)
 @given(st.dictionaries(KEYS, JSON, max_size=5) | st.fixed_dictionaries(
-    {"messages": st.lists(MESSAGE, max_size=3)}, optional={k: JSON for k in ["temperature", "stop", "max_tokens", "seed"]}))
+    {"messages": st.lists(MESSAGE, max_size=3)},
+    optional={k: JSON for k in ["temperature", "stop", "max_tokens", "seed", "model", "user", "cache_salt",
+                                "metadata"]}))
 def test_parsing_never_fails_with_anything_but_a_typed_error(body):
     try:
-        parse_chat_request(body, LimitsConfig(), "demo")
+        request = parse_chat_request(body, LimitsConfig(), "demo")
     except MMServeError as e:
-        assert 400 <= e.status < 500 and e.message
+        assert 400 <= e.status < 500 and e.message and len(e.message) < 1000
+        assert e.param is None or len(e.param) <= CLIP_CHARS
+        (e.message + (e.param or "")).encode("utf-8")  # an error body can always be sent
+        return
+    texts = [request.model, request.cache_salt or "", *request.sampling.stop,
+             *(p.text for m in request.messages for p in m.parts if isinstance(p, TextPart))]
+    for text in texts:  # whatever parses can be tokenized, hashed and logged
+        text.encode("utf-8")

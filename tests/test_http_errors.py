@@ -187,7 +187,8 @@ def test_admin_cache_reset_empties_both_caches_and_serving_goes_on(tiny_config):
         assert_error(c.post("/admin/cache/reset"), 401)
         assert_error(c.post("/admin/cache/reset", json={"caches": ["kv"]}, headers=admin), 400)
         assert_error(c.post("/admin/cache/reset", json={"model": "nope"}, headers=admin), 404)
-        assert_error(c.post("/admin/cache/reset", content=b"[1]", headers=admin), 400)
+        assert_error(c.post("/admin/cache/reset", content=b"[1]", headers={**admin, "content-type": "application/json"}), 400)
+        assert_error(c.post("/admin/cache/reset", content=b"[1]", headers=admin), 415)
         r = c.post("/admin/cache/reset", headers=admin)
         assert r.status_code == 200, r.text
         dropped = r.json()["dropped"]["tiny"]

@@ -12,12 +12,16 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mmserve.errors import BadRequest, Forbidden, InternalError, MMServeError, PayloadTooLarge, Unauthorized
+from mmserve.errors import (BadRequest, Forbidden, InternalError, MMServeError, PayloadTooLarge, Unauthorized,
+                            UnsupportedMediaType, clip)
 from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, new_request_id, usage_json
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# application/json, or a structured-syntax JSON type such as application/merge-patch+json (RFC 6839)
+_JSON_MEDIA_TYPE = re.compile(r"application/(?:[a-z0-9!#$&^_.-]+\+)?json", re.I)
+_UTF8_CHARSETS = {"utf-8", "utf8"}
 log = get_logger("http")
 
 
@@ -98,7 +102,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     async def reset_caches():
         """Body (optional): {"model": name, "caches": ["encoder", "prefix"]}; default: all of both."""
         raw = await _read_body(rt.config.server.max_body_bytes)
-        body = _json(raw) if raw.strip() else {}
+        body = _json(raw, request.headers.get("content-type")) if raw.strip() else {}
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object like {\"model\": \"demo\", \"caches\": [\"prefix\"]}")
         model, caches = body.get("model"), body.get("caches", list(CACHE_KINDS))
@@ -117,7 +121,7 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        body = _json(await _read_body(rt.config.server.max_body_bytes))
+        body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
         parsed = rt.parse(body)
         stream = rt.chat(request=parsed, client_request_id=g.client_request_id)
         g.request_id = stream.request_id
@@ -166,7 +170,10 @@ async def _drain(limit: int) -> None:
 
 async def _read_body(limit: int) -> bytes:
     """The request body, at most `limit` bytes. A larger body is drained (up to a bound, so the
-    client can read our 413 instead of blocking on a full socket) and refused."""
+    client can read our 413 instead of blocking on a full socket) and refused.
+
+    Every body is read whole before it is judged (its Content-Type, its JSON), so an error answer
+    never leaves unread bytes that would garble the next request on a kept-alive connection."""
     drain_cap = 4 * limit + (1 << 20)
     declared = request.content_length
     too_large = PayloadTooLarge(f"the request body is larger than this server's limit of {limit} bytes")
@@ -184,7 +191,27 @@ async def _read_body(limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _json(raw: bytes):
+def check_json_content_type(content_type: str | None) -> None:
+    """Refuses (415) a body that does not say it is JSON, in UTF-8.
+
+    A body sent as text/plain or form data is a client bug (or a cross-site form post, which a
+    browser may send without a CORS preflight); guessing that it is JSON would hide the bug. A
+    `charset` other than UTF-8 would be decoded wrongly, so it is refused too."""
+    media_type, *params = (content_type or "").split(";")
+    if not _JSON_MEDIA_TYPE.fullmatch(media_type.strip()):
+        got = f"Content-Type {clip(content_type)}" if content_type else "no Content-Type"
+        raise UnsupportedMediaType(f"the request body must be JSON sent as 'Content-Type: application/json'; "
+                                   f"got {got}")
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in _UTF8_CHARSETS:
+            raise UnsupportedMediaType(f"the request body must be UTF-8 JSON; got charset {clip(value.strip())}")
+
+
+def _json(raw: bytes, content_type: str | None):
+    """The parsed JSON body, or a 4xx naming what is wrong with it (never a 500: the json module
+    raises RecursionError for deep nesting and ValueError for integers past 4300 digits)."""
+    check_json_content_type(content_type)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -193,6 +220,10 @@ def _json(raw: bytes):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the request body nests arrays and objects too deeply to parse") from None
+    except ValueError as e:  # int too long to convert: "Exceeds the limit (4300 digits) ..."
+        raise BadRequest(f"the request body has a number that cannot be parsed: {e}") from None
 
 
 async def _complete(stream: ChatStream) -> dict:

@@ -1,7 +1,9 @@
 """Image decoding and validation (run in worker threads, never on the event loop).
 
 Refuses what could hurt the server before paying for it: oversized payloads, formats not
-allowed, and decompression bombs — the pixel count is checked from the header before decoding.
+allowed, decompression bombs and extreme strips — the pixel count and the aspect ratio are checked
+from the header before decoding. (What the model's image processor would make of the image is
+checked by `mmserve.runtime.image_budget.check_image_size`.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from PIL import Image, UnidentifiedImageError
 
 from mmserve.errors import PayloadTooLarge, UnprocessableImage
 from mmserve.runtime.config import LimitsConfig
+from mmserve.runtime.image_budget import check_aspect_ratio
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
 
@@ -48,6 +51,7 @@ def open_image(data: bytes, limits: LimitsConfig, where: str) -> Image.Image:
             w, h = img.size
             if w <= 0 or h <= 0:
                 raise UnprocessableImage(f"{where}: image has zero size", param=where)
+            check_aspect_ratio(w, h, limits, where)
             if w * h > limits.max_image_pixels:
                 raise UnprocessableImage(
                     f"{where}: image is {w}x{h} = {w * h} pixels, above the {limits.max_image_pixels} "

@@ -2,15 +2,17 @@
 
 Everything a caller can get wrong is caught here, with the offending parameter named, before any
 model work starts. Unsupported OpenAI features are refused with a 400, never silently ignored.
+Whatever an error message echoes of the caller's input goes through `mmserve.errors.clip`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from mmserve.errors import BadRequest, UnsupportedParameter
+from mmserve.errors import CLIP_CHARS, BadRequest, UnsupportedParameter, clip
 from mmserve.runtime.config import LimitsConfig
 from mmserve.runtime.remote_images import check_url, is_remote_url
 from mmserve.runtime.sampling import SamplingParams
@@ -65,12 +67,95 @@ _KNOWN = {
 } | _IGNORED
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+_MAX_UNKNOWN_SHOWN = 5
+
+# A path into the body, built only when an error needs it: None (the body itself) or a pair
+# (parent path, key or index). Building strings for every node would copy a long key once per child.
+_Path = tuple | None
+
+
+def _path_text(path: _Path) -> str:
+    """`messages[0].content[1].text` for a path; odd keys are quoted and escaped, the whole clipped."""
+    segments: list[str] = []
+    while path is not None:
+        path, key = path
+        if isinstance(key, int):
+            segments.append(f"[{key}]")
+        elif _PLAIN_KEY.match(key):
+            segments.append(f".{key}" if path is not None else key)
+        else:
+            segments.append(f"[{clip(key, 64)}]")
+    text = "".join(reversed(segments)) or "(the request body)"
+    return text if len(text) <= CLIP_CHARS else text[: CLIP_CHARS - 1] + "…"
+
+
+def _encodable(text: str) -> bool:
+    """False for a str holding a lone surrogate: valid JSON (`"\\ud800"`) decodes to one, and it
+    fails later wherever the text is encoded (tokenizer, cache keys, logs) as a 500."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refuse_text(path: _Path, what: str) -> BadRequest:
+    where = _path_text(path)
+    return BadRequest(f"{where}: {what} contains a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                      "which is not valid Unicode text", param=None if path is None else where)
+
+
+def _check_key(key: Any, path: _Path) -> None:
+    if not isinstance(key, str):  # only embedded callers can send these; JSON keys are strings
+        where = _path_text(path)
+        raise BadRequest(f"{where}: object keys must be strings, got a {type(key).__name__}", param=where)
+    if not _encodable(key):
+        raise _refuse_text((path, key), "the key")
+
+
+def check_json_shape(body: Any, max_depth: int) -> None:
+    """Refuses nesting deeper than `max_depth` and any string value or key with a lone surrogate.
+
+    Runs once over the whole body, iteratively (a recursive walk is what an attacker's 100,000
+    nested arrays would overflow), before any other validation, so no later step can trip over
+    either. Depth counts containers: the body object is 1, `{"messages": [...]}`'s list is 2.
+    Values that are not JSON — embedded callers' PIL images — are skipped.
+    """
+    if isinstance(body, str) and not _encodable(body):
+        raise _refuse_text(None, "the body")
+    if not isinstance(body, (dict, list, tuple)):
+        return
+    stack: list[tuple[Any, int, _Path]] = [(body, 1, None)]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > max_depth:
+            where = _path_text(path)
+            raise BadRequest(f"{where}: arrays and objects nest deeper than this server's limit of "
+                             f"{max_depth} levels", param=None if path is None else where)
+        is_dict = isinstance(value, dict)
+        for key, child in (value.items() if is_dict else enumerate(value)):
+            if is_dict:
+                _check_key(key, path)
+            if isinstance(child, str):
+                if not _encodable(child):
+                    raise _refuse_text((path, key), "the string")
+            elif isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1, (path, key)))
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A real number. Ints are compared with their bounds exactly, never converted first: math.isfinite
+    (and float()) raise OverflowError for an int past 1e308, such as a JSON `10**400`."""
+    if _is_int(v):
+        return True
+    return isinstance(v, float) and math.isfinite(v)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -78,7 +163,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     if v is None:
         return default
     if not _is_num(v) or not lo <= v <= hi:
-        raise BadRequest(f"'{key}' must be a number between {lo} and {hi}, got {v!r}", param=key)
+        raise BadRequest(f"'{key}' must be a number between {lo} and {hi}, got {clip(v)}", param=key)
     return float(v)
 
 
@@ -87,7 +172,7 @@ def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
     if v is None:
         return None
     if not _is_int(v) or not lo <= v <= hi:
-        raise BadRequest(f"'{key}' must be an integer between {lo} and {hi}, got {v!r}", param=key)
+        raise BadRequest(f"'{key}' must be an integer between {lo} and {hi}, got {clip(v)}", param=key)
     return v
 
 
@@ -188,7 +273,7 @@ def _parts(content: Any, where: str, role: str, limits: LimitsConfig) -> tuple[T
             parts.append(_image_part(part, pw, limits))
         else:
             raise BadRequest(
-                f"{pw}: unsupported content part type {kind!r}; supported: 'text', 'image_url'", param=pw)
+                f"{pw}: unsupported content part type {clip(kind)}; supported: 'text', 'image_url'", param=pw)
     return tuple(parts)
 
 
@@ -205,7 +290,8 @@ def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             extra = " (tool calls are not supported)" if role in ("tool", "function") else ""
-            raise BadRequest(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}{extra}", param=f"{where}.role")
+            raise BadRequest(f"{where}.role must be one of {sorted(_ROLES)}, got {clip(role)}{extra}",
+                             param=f"{where}.role")
         if m.get("tool_calls") or m.get("function_call"):
             raise UnsupportedParameter(f"{where}: tool calls are not supported", param=f"{where}.tool_calls")
         messages.append(Message("system" if role == "developer" else role, _parts(m.get("content"), where, role, limits)))
@@ -217,13 +303,22 @@ def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
     return tuple(messages)
 
 
+def _refuse_unknown(body: dict) -> None:
+    """Refuses unknown top-level arguments, naming (clipped) the first few of them."""
+    unknown = sorted(set(body) - _KNOWN)
+    if not unknown:
+        return
+    shown = ", ".join(clip(k, 64) for k in unknown[:_MAX_UNKNOWN_SHOWN])
+    more = f" and {len(unknown) - _MAX_UNKNOWN_SHOWN} more" if len(unknown) > _MAX_UNKNOWN_SHOWN else ""
+    raise BadRequest(f"unrecognized request argument(s): {shown}{more}", param=_path_text((None, unknown[0])))
+
+
 def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> ChatRequest:
     """Validates an OpenAI chat-completions body and returns the typed request."""
+    check_json_shape(body, limits.max_json_depth)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise BadRequest(f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
+    _refuse_unknown(body)
     _refuse_unsupported(body)
     model = body.get("model", default_model)
     if model is None:
