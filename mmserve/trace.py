@@ -1,30 +1,37 @@
-"""`mmserve trace REQUEST_ID`: one request's timeline across actors, rebuilt from the JSON log."""
+"""`mmserve trace ID`: a request's timeline across actors, rebuilt from the JSON log. ID is the
+internal request id or the client's X-Request-Id (every request sent with that label is shown)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from datetime import datetime
-from typing import Iterable, TextIO
+from typing import Iterable, Iterator, TextIO
 
-_SKIP = {"event", "timestamp", "level", "request_id", "request_ids", "actor", "model"}
+_SKIP = {"event", "timestamp", "level", "request_ids", "actor", "model"}
 
 
-def request_events(lines: Iterable[str], request_id: str) -> list[dict]:
-    """The request's events (its own, and batched steps that list it), in time order."""
-    events = []
+def _events(lines: Iterable[str]) -> Iterator[dict]:
     for line in lines:
         line = line.strip()
         if not line.startswith("{"):
             continue
         try:
-            event = json.loads(line)
+            yield json.loads(line)
         except json.JSONDecodeError:
             continue
-        if event.get("request_id") == request_id or request_id in (event.get("request_ids") or ()):
-            events.append(event)
-    events.sort(key=lambda e: e.get("timestamp", ""))
-    return events
+
+
+def request_events(lines: Iterable[str], request_id: str) -> list[dict]:
+    """The events of the request(s) `request_id` names — an internal id, or a client's
+    `X-Request-Id` label, which may name several requests — with the batched steps that list
+    them, in time order."""
+    events = list(_events(lines))
+    ids = {request_id} | {e["request_id"] for e in events
+                          if e.get("client_request_id") == request_id and e.get("request_id")}
+    out = [e for e in events if e.get("request_id") in ids or ids & set(e.get("request_ids") or ())]
+    out.sort(key=lambda e: e.get("timestamp", ""))
+    return out
 
 
 def timeline(events: list[dict]) -> list[dict]:

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from mmserve import Runtime
-from mmserve.errors import ServiceUnavailable
+from mmserve.errors import InternalError, ServiceUnavailable
 from mmserve.models.demo import render_image
 from mmserve.runtime import faults
 from tests.helpers import ServerThread, ask, assert_nothing_held, colour_question
@@ -38,32 +38,36 @@ async def assert_consistent(rt):
     assert c.usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("spec, actor", [
-    ("generator.step=raise@3", "generator[tiny]"),
-    ("encoder.forward=raise@1", "encoder[tiny]"),
-    ("image.decode=raise@1", "intake"),
-])
-async def test_a_dying_actor_fails_its_requests_and_restarts(tiny_config, spec, actor):
+async def test_a_dying_actor_fails_its_requests_and_restarts(tiny_config):
+    """The batched decode forward is the generator's own: a fault there restarts the actor."""
     async with Runtime.open(cfg(tiny_config)) as rt:
-        faults.configure(spec)
+        faults.configure("generator.step=raise@3")
         with pytest.raises(ServiceUnavailable, match="injected fault"):
             await rt.chat_completion(ask(render_image("red", "circle", seed=1)), **LONG)
         await wait_healthy(rt)
-        assert rt.supervisor.states[actor].restarts == 1
+        assert rt.supervisor.states["generator[tiny]"].restarts == 1
         await assert_consistent(rt)
 
 
-async def test_a_failed_commit_resets_the_prefix_cache_and_nothing_breaks(tiny_config):
-    async with Runtime.open(cfg(tiny_config)) as rt:
-        faults.configure("prefix.commit=raise@1")
+@pytest.mark.parametrize("spec", ["encoder.forward=raise@1", "image.decode=raise@1", "prefix.commit=raise@1",
+                                  "prefix.write=raise@1"])
+async def test_a_fault_while_handling_one_request_fails_it_alone(tiny_config, spec):
+    """Per-request work that raises fails that request with a 500 naming it; no actor restarts,
+    health never drops, and the prefix cache holds nothing half-written."""
+    config = cfg(tiny_config).replace(prefix_cache={"block_size": 8})
+    async with Runtime.open(config) as rt:
+        faults.configure(spec)
         img = render_image("blue", "square", seed=2)
-        a = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
-        await wait_healthy(rt)
-        b = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
-        # the prompt commit failed and the store was rebuilt empty; the end-of-request commit that
-        # followed may have cached the blocks again, so b may hit — and must still answer the same
-        assert a.text == b.text
-        assert rt.supervisor.states["prefix_cache[tiny]"].restarts == 1
+        stream = rt.chat(ask(img), temperature=0, max_tokens=4)
+        with pytest.raises(InternalError, match=stream.request_id):
+            async with stream:
+                async for _ in stream:
+                    pass
+        assert rt.health().ok and not any(s.restarts for s in rt.supervisor.states.values())
+        again = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
+        faults.configure(None)
+        off = await rt.chat_completion(ask(img), temperature=0, max_tokens=4)
+        assert again.text == off.text
         await assert_consistent(rt)
 
 

@@ -251,6 +251,19 @@ def test_evict_and_clear_never_touch_pinned_slots():
     s.check_invariants()
 
 
+def test_discard_refuses_pinned_slots_and_frees_the_rest():
+    s = KVBlockStore(4)
+    placed = s.commit(chain("xy"), "r0")
+    slots = [slot for _, slot, _ in placed]
+    with pytest.raises(ValueError, match="pinned"):
+        s.discard(slots)
+    assert len(s) == 2
+    s.release("r0")
+    assert s.discard(slots) == chain("xy") and len(s) == 0 and s.free_slots() == 4
+    assert s.lookup(chain("xy"), "r1") == []
+    s.check_invariants()
+
+
 def test_zero_slots():
     s = KVBlockStore(0)
     assert s.lookup([A], "r") == [] and s.commit([A, B], "r") == [] and s.peek([A]) == 0
@@ -439,6 +452,9 @@ class RefStore:
         self.explicit += len(out)
         return out
 
+    def discard(self, slots) -> list[bytes]:
+        return [self._remove(s) for s in dict.fromkeys(slots) if s in self.slots()]
+
     def clear(self) -> int:
         lru = self.lru()
         for slot in lru:
@@ -525,6 +541,19 @@ class KVStoreMachine(RuleBasedStateMachine):
         self.lookup(owner, spec)
         self.commit(owner, spec)
         self.release(owner)
+
+    @rule(owner=st.sampled_from(OWNERS), spec=CHAINS)
+    def failed_commit(self, owner, spec):
+        """A commit whose KV write failed: the owner's pins are released and the blocks it placed
+        discarded, so no entry names a slot that never received its KV."""
+        hashes = self._chain(spec)
+        placed = self.store.commit(hashes, owner)
+        assert placed == self.ref.commit(hashes, owner)
+        self.release(owner)
+        slots = [slot for _, slot, _ in placed]
+        assert self.store.discard(slots) == self.ref.discard(slots)
+        for slot in slots:
+            self.pool.pop(slot, None)
 
     @rule(owner=st.sampled_from(OWNERS), spec=CHAINS)
     def cancelled_request(self, owner, spec):

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from mmserve import Runtime
-from mmserve.errors import ServiceUnavailable
+from mmserve.errors import InternalError, ServiceUnavailable
 from mmserve.models.demo import (
     BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image)
 from mmserve.runtime import faults
@@ -83,7 +83,7 @@ async def soak(demo_config, n, seed=0):
                             results["disconnected"] += 1
                             return
                         text = await answer_with_retries(rt, msgs, model)
-                    except ServiceUnavailable:
+                    except (ServiceUnavailable, InternalError):  # a restart; a fault in this request
                         results["failed"] += 1
                         return
                 if text == baseline[i]:

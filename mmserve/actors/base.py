@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from abc import ABC, abstractmethod
@@ -9,7 +10,7 @@ from abc import ABC, abstractmethod
 import trio
 
 from mmserve.actors.messages import RequestHandle
-from mmserve.errors import MMServeError
+from mmserve.errors import InternalError, MMServeError
 from mmserve.logs import get_logger
 
 
@@ -39,6 +40,21 @@ class Actor(ABC):
     def has_work(self) -> bool:
         """Whether the actor holds requests or has messages waiting (a hang is only possible then)."""
         return bool(self.in_flight) or self.inbox.statistics().current_buffer_used > 0
+
+    def fail_request(self, handle: RequestHandle, exc: BaseException, stage: str) -> None:
+        """Ends one request because handling it raised `exc` at `stage`; the actor goes on.
+
+        A typed error (the input's fault) reaches the caller as it is; anything else becomes a 500
+        naming the request id, and is logged with its traceback under that id."""
+        error = exc if isinstance(exc, MMServeError) else InternalError(
+            f"request {handle.request_id} failed in {stage} ({type(exc).__name__}); the server log has "
+            "the details under this request id. Other requests are not affected.")
+        self.log.log(logging.INFO if error.status < 500 else logging.ERROR, "request.failed",
+                     request_id=handle.request_id, client_request_id=handle.client_request_id,
+                     stage=stage, status=error.status, error=error.message,
+                     exc_info=None if error is exc else exc)
+        self.in_flight.pop(handle.request_id, None)
+        handle.fail(error)
 
     def fail_in_flight(self, error: MMServeError) -> int:
         """Ends every request this actor holds with `error`; returns how many there were."""

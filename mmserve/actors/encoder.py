@@ -33,6 +33,12 @@ class Miss:
     prompt: PromptInputs  # the first waiter's: pixels are computed from it only now, for the tower
     index: int
     waiters: list[tuple[EncodeJob, int]] = field(default_factory=list)
+    pixels: torch.Tensor | None = None
+
+    @property
+    def labels(self) -> list[str | None]:
+        """The client request ids of the waiters (fault hooks key on them)."""
+        return [j.handle.client_request_id for j, _ in self.waiters]
 
 
 class Encoder(Actor):
@@ -106,10 +112,14 @@ class Encoder(Actor):
             self.in_flight[j.handle.request_id] = j.handle
         try:
             found: dict[tuple[int, int], torch.Tensor] = {}
+            failed: dict[int, Exception] = {}  # id(job) → why one of its images could not be encoded
             misses = self._look_up(jobs, found)
             if misses:
-                await self._encode(misses, found)
+                await self._encode(misses, found, failed)
             for j in jobs:
+                if id(j) in failed:
+                    self.fail_request(j.handle, failed[id(j)], "encoder")
+                    continue
                 embeds = tuple(found[id(j), i] for i in range(len(j.prompt.spans)))
                 if j.handle.active:
                     self.generator_inbox.send_nowait(GenerateJob(j.handle, j.prompt, embeds))
@@ -140,24 +150,71 @@ class Encoder(Actor):
                 misses[slot] = Miss(key, j.prompt, i, [(j, i)])
         return list(misses.values())
 
-    async def _encode(self, misses: list[Miss], found: dict) -> None:
+    async def _encode(self, misses: list[Miss], found: dict, failed: dict) -> None:
+        """Encodes the misses, max_batch_images per forward. An item that fails fails its waiters
+        alone: pixels are made per item, and a failed batch is encoded again one item at a time."""
+        misses = await self._add_pixels(misses, failed)
         n = self.config.max_batch_images
         for start in range(0, len(misses), n):
-            chunk = misses[start:start + n]
-            outputs = await compute.run(self._forward, chunk, abandon_on_cancel=True)
-            self.encoder_runs += 1
-            self.items_encoded += len(chunk)
-            self.log.info("encoder.batch", items=len(chunk),
-                          request_ids=sorted({j.handle.request_id for m in chunk for j, _ in m.waiters}))
-            for miss, out in zip(chunk, outputs):
+            for miss, out in await self._forward_contained(misses[start:start + n], failed):
                 for j, i in miss.waiters:
                     found[id(j), i] = out
                 self._store(miss, out)
 
+    async def _add_pixels(self, misses: list[Miss], failed: dict) -> list[Miss]:
+        """Each miss with its pixel tensor; the image processor runs in a worker thread, off the
+        compute thread (a large image must not hold up every model step) and off the event loop."""
+        results = await trio.to_thread.run_sync(self._pixels, misses)
+        ready = []
+        for miss, result in zip(misses, results):
+            if isinstance(result, Exception):
+                self._fail_miss(miss, result, failed)
+            else:
+                miss.pixels = result
+                ready.append(miss)
+        return ready
+
+    def _pixels(self, misses: list[Miss]) -> list[torch.Tensor | Exception]:
+        # torch ops here stay on this thread: a second OpenMP team would make libgomp stop
+        # spin-waiting in the compute thread's team too (runtime/compute.py)
+        torch.set_num_threads(1)
+        out: list[torch.Tensor | Exception] = []
+        for m in misses:
+            try:
+                fault("encoder.item", *m.labels)
+                out.append(m.prompt.pixels(self.adapter, m.index))
+            except Exception as e:  # this item's failure, reported to its waiters alone
+                out.append(e)
+        return out
+
+    async def _forward_contained(self, chunk: list[Miss], failed: dict) -> list[tuple[Miss, torch.Tensor]]:
+        """(miss, output) for every item of `chunk` the tower could encode."""
+        try:
+            outputs = await compute.run(self._forward, chunk, abandon_on_cancel=True)
+        except Exception as e:
+            if len(chunk) == 1:
+                self._fail_miss(chunk[0], e, failed)
+                return []
+            self.log.warning("encoder.batch_failed", items=len(chunk), error=f"{type(e).__name__}: {e}",
+                             request_ids=sorted({j.handle.request_id for m in chunk for j, _ in m.waiters}))
+            done = []
+            for miss in chunk:  # find the item at fault: the others are encoded again without it
+                done += await self._forward_contained([miss], failed)
+            return done
+        self.encoder_runs += 1
+        self.items_encoded += len(chunk)
+        self.log.info("encoder.batch", items=len(chunk),
+                      request_ids=sorted({j.handle.request_id for m in chunk for j, _ in m.waiters}))
+        return list(zip(chunk, outputs))
+
     def _forward(self, chunk: list[Miss]) -> list[torch.Tensor]:
-        fault("encoder.forward")
-        pixels = torch.stack([m.prompt.pixels(self.adapter, m.index) for m in chunk])
-        return self.adapter.encode_images(pixels)
+        fault("encoder.forward", *(label for m in chunk for label in m.labels))
+        return self.adapter.encode_images(torch.stack([m.pixels for m in chunk]))
+
+    @staticmethod
+    def _fail_miss(miss: Miss, error: Exception, failed: dict) -> None:
+        for j, _ in miss.waiters:
+            failed.setdefault(id(j), error)
 
     def _store(self, miss: Miss, out: torch.Tensor) -> None:
         if self.cache is None or miss.key is None:

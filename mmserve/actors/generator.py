@@ -19,7 +19,8 @@ from transformers.cache_utils import Cache
 from mmserve.actors.base import Actor
 from mmserve.actors.decode_batch import HEADROOM, DecodeBatch
 from mmserve.actors.messages import FinishEvent, GenerateJob, RequestHandle, TokenEvent, Usage
-from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, PinnedBlocks, sequence_block_hashes
+from mmserve.actors.prefix_cache import (
+    Abort, Commit, Lookup, LookupResult, PinnedBlocks, PrefixFailed, sequence_block_hashes)
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime.config import GeneratorConfig, PrefixCacheConfig
@@ -52,6 +53,10 @@ class Sequence:
     @property
     def handle(self) -> RequestHandle:
         return self.job.handle
+
+    @property
+    def label(self) -> str | None:
+        return self.job.handle.client_request_id
 
     @property
     def prompt_len(self) -> int:
@@ -137,6 +142,10 @@ class Generator(Actor):
             self._admit(msg)
         elif isinstance(msg, LookupResult):
             self._on_lookup(msg)
+        elif isinstance(msg, PrefixFailed):
+            seq = self._find(msg.request_id)
+            if seq is not None:
+                self._fail(seq, msg.error, msg.stage)
         else:
             raise TypeError(f"generator: unexpected message {msg!r}")
 
@@ -155,7 +164,20 @@ class Generator(Actor):
         self.waiting.append(seq)
         self.in_flight[handle.request_id] = handle
         if self.prefix_cache is not None:
-            self._lookup(seq)
+            try:
+                self._lookup(seq)
+            except Exception as e:
+                self._fail(seq, e, "generator (block hashes)")
+
+    def _find(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.running if s.handle.request_id == request_id), None)
+
+    def _fail(self, seq: Sequence, exc: Exception, stage: str) -> bool:
+        """Ends `seq` alone because handling it raised; the other sequences go on. Returns False
+        (for _accept: the sequence is finished)."""
+        if seq.handle.active:
+            self.fail_request(seq.handle, exc, stage)
+        return self._finish(seq, None)
 
     def _drop_aborted(self) -> None:
         for seq in [s for s in self.running if not s.handle.active]:
@@ -197,15 +219,21 @@ class Generator(Actor):
                 break
             chunk = min(budget, seq.prompt_len - seq.kv_len)
             t0 = time.monotonic()
-            token = await compute.run(self._prefill_chunk, seq, chunk, abandon_on_cancel=True)
             budget -= chunk
+            try:
+                token = await compute.run(self._prefill_chunk, seq, chunk, abandon_on_cancel=True)
+            except Exception as e:  # this sequence's input or state: its own cache is dropped with it
+                self._fail(seq, e, "generator (prefill)")
+                continue
             self.log.info("generator.prefill", request_id=seq.handle.request_id, tokens=chunk,
                           start=seq.kv_len - chunk, cached_tokens=seq.hit_tokens, done=seq.prefilled,
                           duration_s=round(time.monotonic() - t0, 6))
             if seq.prefilled:
                 self.waiting.remove(seq)
                 self._commit_prompt(seq)
-                if self._accept(seq, token):
+                if isinstance(token, Exception):
+                    self._fail(seq, token, "generator (sampling)")
+                elif self._accept(seq, token):
                     self.batch.set_members([*self.batch.members, seq])
 
     def _lookup(self, seq: Sequence) -> None:
@@ -218,7 +246,7 @@ class Generator(Actor):
             return
         seq.looked_up = True
         seq.lookup_deadline = trio.current_time() + self.lookup_wait_s
-        self.prefix_cache.send_nowait(Lookup(seq.handle.request_id, hashes, self.inbox_send))
+        self.prefix_cache.send_nowait(Lookup(seq.handle.request_id, hashes, self.inbox_send, seq.label))
 
     def _capacity(self, seq: Sequence) -> int:
         """Columns a sequence's own cache starts with: its prompt and some of its answer."""
@@ -233,9 +261,10 @@ class Generator(Actor):
             seq.kv_len = seq.hit_tokens = hit.blocks * self.block_size
             seq.hit = hit.source
 
-    def _prefill_chunk(self, seq: Sequence, n: int) -> int | None:
+    def _prefill_chunk(self, seq: Sequence, n: int) -> int | Exception | None:
         """Prefills the next `n` prompt tokens (compute thread); once the whole prompt is in,
-        returns the first sampled token."""
+        returns the first sampled token (or why sampling it failed)."""
+        fault("generator.prefill", seq.label)
         if seq.embeds is None:
             seq.embeds = self._suffix_embeds(seq)
         if seq.cache is None:
@@ -249,7 +278,7 @@ class Generator(Actor):
         if not seq.prefilled:
             return None
         seq.embeds = None
-        return self._sample(seq, out.logits[0])
+        return self._sample_contained(seq, out.logits[0])
 
     def _suffix_embeds(self, seq: Sequence) -> torch.Tensor:
         """Embeddings of the prompt after the cached prefix; an image cut by the hit boundary gets
@@ -269,14 +298,25 @@ class Generator(Actor):
         tokens = await compute.run(self._decode_step, members, abandon_on_cancel=True)
         self.steps += 1
         self.log.debug("generator.step", batch=len(members), request_ids=[m.handle.request_id for m in members])
-        finished = [seq for seq, token in zip(members, tokens) if not self._accept(seq, token)]
+        finished = [seq for seq, token in zip(members, tokens)
+                    if not (self._fail(seq, token, "generator (sampling)") if isinstance(token, Exception)
+                            else self._accept(seq, token))]
         if finished:
             self.batch.set_members([m for m in self.batch.members if m not in finished])
 
-    def _decode_step(self, members: list[Sequence]) -> list[int]:
+    def _decode_step(self, members: list[Sequence]) -> list[int | Exception]:
+        """One batched forward (a failure there is the actor's), then each sequence's own sampling
+        (a failure there is that sequence's alone)."""
         fault("generator.step")
         logits = self.batch.step()
-        return [self._sample(seq, logits[b]) for b, seq in enumerate(members)]
+        return [self._sample_contained(seq, logits[b]) for b, seq in enumerate(members)]
+
+    def _sample_contained(self, seq: Sequence, logits: torch.Tensor) -> int | Exception:
+        try:
+            fault("generator.sample", seq.label)
+            return self._sample(seq, logits)
+        except Exception as e:
+            return e
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         banned = self._image_token
@@ -298,7 +338,11 @@ class Generator(Actor):
         if token in self.adapter.eos_token_ids:
             return self._finish(seq, "stop")
         seq.tokens.append(token)
-        text = seq.assembler.add(token)
+        try:
+            fault("generator.detokenize", seq.label)
+            text = seq.assembler.add(token)
+        except Exception as e:
+            return self._fail(seq, e, "generator (detokenizing)")
         # the first token is always announced (its text may be held back, e.g. a leading space):
         # callers see the first token when it exists, and a client gone by then is noticed
         if (text or len(seq.tokens) == 1) and not handle.emit(TokenEvent(text, token)):
@@ -313,12 +357,15 @@ class Generator(Actor):
         """Ends `seq` with `reason` (None: the caller went away). Returns False for _accept."""
         handle = seq.handle
         if reason is not None:
-            tail = seq.assembler.finish()
+            try:
+                tail = seq.assembler.finish()
+                self._commit(seq)
+            except Exception as e:
+                return self._fail(seq, e, "generator (finishing)")
             if tail:
                 handle.emit(TokenEvent(tail, -1))
             usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
             handle.emit(FinishEvent(reason, usage))
-            self._commit(seq)
             ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created
             if self.metrics is not None:
                 self.metrics.request_finished(self.adapter.name, reason, usage.prompt_tokens,
@@ -336,14 +383,16 @@ class Generator(Actor):
         return False
 
     def _hashes(self, seq: Sequence, token_ids) -> list[bytes]:
+        fault("generator.hash", seq.label)
         prompt = seq.job.prompt
         return sequence_block_hashes(self.adapter.model_sig, seq.handle.request.cache_salt, token_ids,
-                                     prompt.spans, prompt.mm_keys, self.block_size)
+                                     prompt.spans, prompt.mm_keys, self.block_size, self.adapter.hash_algorithm)
 
     def _commit_prompt(self, seq: Sequence) -> None:
         """The prompt's full blocks, as soon as they are prefilled: requests waiting for them go on."""
         if self.prefix_cache is not None and seq.prompt_hashes:
-            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, seq.prompt_hashes, self.batch.kv_of(seq)))
+            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, seq.prompt_hashes, self.batch.kv_of(seq),
+                                                 self.inbox_send, seq.label))
             seq.looked_up = True
 
     def _commit(self, seq: Sequence) -> None:
@@ -353,5 +402,6 @@ class Generator(Actor):
         ids = (list(seq.job.prompt.input_ids) + seq.tokens)[: seq.kv_len]
         hashes = self._hashes(seq, ids)
         if hashes:
-            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, tuple(hashes), self.batch.kv_of(seq)))
+            self.prefix_cache.send_nowait(Commit(seq.handle.request_id, tuple(hashes), self.batch.kv_of(seq),
+                                                 self.inbox_send, seq.label))
             seq.closed = True

@@ -18,6 +18,8 @@ from mmserve.actors.messages import EncodeJob, RequestHandle, Submit
 from mmserve.cache.keys import image_identity
 from mmserve.runtime.faults import fault
 from mmserve.errors import BadRequest, MMServeError, UnprocessableImage
+from mmserve import errors
+from mmserve.runtime.image_budget import check_image_size
 from mmserve.models.llava import LlavaAdapter, PromptInputs
 from mmserve.runtime.config import LimitsConfig
 from mmserve.runtime.images import data_url_bytes, open_image
@@ -50,14 +52,15 @@ def remote_urls(request: ChatRequest) -> dict[tuple[int, int], tuple[str, str]]:
             if part.url is not None and is_remote_url(part.url)}
 
 
-def decode_images(request: ChatRequest, limits: LimitsConfig, fetched: dict | None = None) -> list:
+def decode_images(request: ChatRequest, limits: LimitsConfig, fetched: dict | None = None,
+                  label: str | None = None) -> list:
     """Every image of the request, decoded to RGB, in prompt order (runs in a worker thread).
 
     Remote images come as bytes already fetched (`fetched`, by `remote_urls` key) and take the
-    same validation as inline ones.
+    same validation as inline ones. `label` is the client's request id (for fault hooks only).
     """
     if request.num_images:
-        fault("image.decode")
+        fault("image.decode", label)
     images = []
     for key, where, part in _image_parts(request):
         if part.image is not None:
@@ -76,9 +79,14 @@ def _embedded_image(image, where: str):
     return image if image.mode == "RGB" else convert("RGB")
 
 
-def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: LimitsConfig) -> PromptInputs:
+def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: LimitsConfig,
+            label: str | None = None) -> PromptInputs:
+    fault("intake.prepare", label)
+    for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
+        check_image_size(adapter.processor.image_processor, img.width, img.height, limits, where)
     prompt = adapter.tokenize(hf_messages(request), images)
-    keys = tuple(image_identity(adapter.model_sig, adapter.processor_digest, img) for img in images)
+    keys = tuple(image_identity(adapter.model_sig, adapter.processor_digest, img, algorithm=adapter.hash_algorithm)
+                 for img in images)
     prompt = dataclasses.replace(prompt, mm_keys=keys)
     if len(prompt.input_ids) > limits.max_prompt_tokens:
         raise BadRequest(
@@ -92,12 +100,12 @@ def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: L
     return prompt
 
 
-def _decode_and_prepare(adapter: LlavaAdapter, request: ChatRequest, limits: LimitsConfig, fetched):
+def _decode_and_prepare(adapter: LlavaAdapter, request: ChatRequest, limits: LimitsConfig, fetched, label):
     """Both steps in one worker-thread hop: (prompt, decode seconds, preprocess seconds)."""
     t0 = time.monotonic()
-    images = decode_images(request, limits, fetched)
+    images = decode_images(request, limits, fetched, label)
     t1 = time.monotonic()
-    prompt = prepare(adapter, request, images, limits)
+    prompt = prepare(adapter, request, images, limits, label)
     return prompt, t1 - t0, time.monotonic() - t1
 
 
@@ -151,16 +159,20 @@ class Intake(Actor):
         return result
 
     async def _prepare(self, msg: Submit) -> None:
+        """Prepares one request; whatever it raises fails that request alone, never the actor."""
         handle = msg.handle
-        log = self.log.bind(request_id=handle.request_id, model=handle.model)
+        log = self.log.bind(request_id=handle.request_id, client_request_id=handle.client_request_id,
+                            model=handle.model)
         try:
             await self._prepare_one(handle, log)
         except MMServeError as e:
             log.info("intake.rejected", status=e.status, error=e.message)
             handle.fail(e)
-        except ValueError as e:
+        except ValueError as e:  # the processor's own complaints about the input (e.g. placeholder counts)
             log.info("intake.rejected", status=400, error=str(e))
-            handle.fail(BadRequest(f"the request could not be prepared: {e}"))
+            handle.fail(BadRequest(f"the request could not be prepared: {errors.clip(str(e))}"))
+        except Exception as e:
+            self.fail_request(handle, e, "intake")
         # not in a `finally`: a request caught in a crash stays in in_flight, for the supervisor to fail
         self.in_flight.pop(handle.request_id, None)
         self.progressed()
@@ -180,7 +192,8 @@ class Intake(Actor):
                 return
         t0 = time.monotonic()
         prompt, decode_s, preprocess_s = await trio.to_thread.run_sync(
-            _decode_and_prepare, adapter, request, self.limits, fetched, limiter=self.limiter)
+            _decode_and_prepare, adapter, request, self.limits, fetched, handle.client_request_id,
+            limiter=self.limiter)
         log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(prompt.spans),
                  queued_s=round(t_fetch - handle.created, 6), fetch_s=round(t0 - t_fetch, 6),
                  decode_s=round(decode_s, 6), preprocess_s=round(preprocess_s, 6),

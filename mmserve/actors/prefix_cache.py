@@ -28,7 +28,7 @@ from mmserve.errors import MMServeError
 from mmserve.models.llava import ImageSpan, LlavaAdapter
 from mmserve.runtime.config import PrefixCacheConfig
 from mmserve.runtime import compute
-from mmserve.runtime.faults import afault
+from mmserve.runtime.faults import afault, fault
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), [1, heads, seq, dim]
 
@@ -59,6 +59,16 @@ class PinnedBlocks:
 
 
 @dataclass(frozen=True)
+class PrefixFailed:
+    """Manager → the request's `reply` channel: handling its lookup or commit raised. The manager
+    has released the request's pins and forgotten it; the request fails alone."""
+
+    request_id: str
+    stage: str
+    error: Exception
+
+
+@dataclass(frozen=True)
 class LookupResult:
     """Manager → the lookup's `reply` channel: the request's cached prefix, pinned for it."""
 
@@ -77,6 +87,7 @@ class Lookup:
     request_id: str
     hashes: tuple[bytes, ...]
     reply: trio.MemorySendChannel  # never closed by the manager (it may be the requester's inbox)
+    label: str | None = None  # the client's request id: for logs and fault hooks, never a key
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,8 @@ class Commit:
     request_id: str
     hashes: tuple[bytes, ...]
     kv: KV
+    reply: trio.MemorySendChannel | None = None  # where a failure is reported (PrefixFailed)
+    label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,8 @@ class Abort:
 
 
 def sequence_block_hashes(model_sig: int, cache_salt: str | None, token_ids, spans: tuple[ImageSpan, ...],
-                          mm_keys: tuple[bytes | None, ...], block_size: int) -> list[bytes]:
+                          mm_keys: tuple[bytes | None, ...], block_size: int,
+                          algorithm: str = "xxh3_128") -> list[bytes]:
     """Chained hashes of the full blocks of `token_ids`. Blocks from the first one that reaches an
     uncacheable image (no content key) on are never keyed: their content cannot be identified."""
     limit = len(token_ids)
@@ -105,7 +119,8 @@ def sequence_block_hashes(model_sig: int, cache_salt: str | None, token_ids, spa
             limit = min(limit, span.start)
             break
         items.append(MMPlaceholder(key, span.start, span.length))
-    hashes = block_hashes(root_hash(model_sig, cache_salt), list(token_ids), items, block_size)
+    root = root_hash(model_sig, cache_salt, algorithm=algorithm)
+    hashes = block_hashes(root, list(token_ids), items, block_size, algorithm=algorithm)
     return hashes[: limit // block_size]
 
 
@@ -144,8 +159,6 @@ class PrefixCacheManager(Actor):
                 msg = await self.inbox.receive()
             self.progressed()
             if msg is not None:
-                if isinstance(msg, Commit):
-                    await afault("prefix.commit")
                 await self._handle(msg)
             for parked in self.inflight.expired(trio.current_time()):
                 self.log.info("prefix_cache.wait_expired", request_id=parked.waiter, owner=parked.owner)
@@ -153,11 +166,11 @@ class PrefixCacheManager(Actor):
             self.progressed()
 
     async def _handle(self, msg) -> None:
-        if isinstance(msg, Lookup):
-            self._lookup(msg)
-        elif isinstance(msg, Commit):
-            await self._commit(msg)
-            self._done(msg.request_id)
+        if isinstance(msg, (Lookup, Commit)):
+            try:
+                await self._for_request(msg)
+            except Exception as e:
+                self._contain(msg, e)
         elif isinstance(msg, Abort):
             self.store.abort(msg.request_id)
             self.log.info("prefix_cache.abort", request_id=msg.request_id)
@@ -168,6 +181,30 @@ class PrefixCacheManager(Actor):
             _send(msg.reply, n)
         else:
             raise TypeError(f"prefix cache: unexpected message {msg!r}")
+
+    async def _for_request(self, msg: Lookup | Commit) -> None:
+        if isinstance(msg, Lookup):
+            await afault("prefix.lookup", msg.label)
+            self._lookup(msg)
+        else:
+            await afault("prefix.commit", msg.label)
+            await self._commit(msg)
+            self._done(msg.request_id)
+
+    def _contain(self, msg: Lookup | Commit, exc: Exception) -> None:
+        """Handling one request's message raised: that request is forgotten (pins released,
+        registrations dropped, its waiters answered again) and fails alone. Only a store whose
+        own invariants broke is a fault of this actor: then it raises, and the restart starts
+        afresh."""
+        self.store.check_invariants()
+        self.inflight.check_invariants()
+        rid, stage = msg.request_id, "prefix cache " + ("lookup" if isinstance(msg, Lookup) else "commit")
+        self.store.abort(rid)
+        self._done(rid)
+        self.log.error("prefix_cache.request_failed", request_id=rid, client_request_id=msg.label, stage=stage,
+                       error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        if msg.reply is not None:
+            _send(msg.reply, PrefixFailed(rid, stage, exc))
 
     def _lookup(self, msg: Lookup, waited_since: float | None = None, may_wait: bool = True) -> None:
         rid, hashes = msg.request_id, msg.hashes
@@ -207,17 +244,24 @@ class PrefixCacheManager(Actor):
         for slot, evicted in reused:
             self.log.info("prefix_cache.stale_entry_dropped", request_id=msg.request_id, slot=slot,
                           hash=key_prefix(evicted))
-        if placed:
-            await compute.run(self._write, msg.kv, placed)
+        try:
+            if placed:
+                await compute.run(self._write, msg.kv, placed, msg.label)
+        except Exception:  # no entry may name a slot its KV never reached
+            self.store.release(msg.request_id)
+            self.store.discard([slot for _, slot, _ in placed])
+            raise
         self.store.release(msg.request_id)
         self.log.info("prefix_cache.commit", request_id=msg.request_id, blocks=len(msg.hashes),
                       new_blocks=len(placed), slots=[s for _, s, _ in placed],
                       hashes=[key_prefix(msg.hashes[i]) for i, _, _ in placed])
 
-    def _write(self, kv: KV, placed: list[tuple[int, int, bytes | None]]) -> None:
+    def _write(self, kv: KV, placed: list[tuple[int, int, bytes | None]], label: str | None = None) -> None:
         """Copies block i of the sequence's KV into its slot, for each placed block (worker thread)."""
         b = self.block_size
-        for i, slot, _ in placed:
+        for n, (i, slot, _) in enumerate(placed):
+            if n:  # after the first block: a failure here leaves a half-written commit to undo
+                fault("prefix.write", label)
             for layer, (k, v) in enumerate(kv):
                 self.keys[layer, :, slot] = k[0, :, i * b:(i + 1) * b]
                 self.values[layer, :, slot] = v[0, :, i * b:(i + 1) * b]

@@ -169,6 +169,23 @@ class KVBlockStore:
         self._explicit_evictions += len(out)
         return out
 
+    def discard(self, slots: Iterable[int]) -> list[bytes]:
+        """Drop the entries of `slots` — a commit whose KV never reached them (its write failed):
+        their hashes must name nothing. Returns the dropped hashes; the slots are free again.
+        The caller releases its pins first; a slot still pinned is refused, and nothing changes."""
+        slots = list(dict.fromkeys(slots))
+        for slot in slots:
+            self._check_slot(slot)
+            if self._refs.get(slot):
+                raise ValueError(f"slot {slot} is pinned; release it before discarding its entry")
+        dropped = []
+        for slot in slots:
+            if slot in self._hash_of:
+                del self._lru[slot]
+                dropped.append(self._drop_entry(slot))
+                heapq.heappush(self._free, slot)
+        return dropped
+
     def clear(self) -> int:
         """Drop every unpinned entry (pinned ones stay); return how many were dropped."""
         n = len(self._lru)

@@ -12,7 +12,7 @@ from mmserve.actors.base import Actor
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.prefix_cache import PrefixCacheManager
-from mmserve.errors import ModelNotFound, ServiceUnavailable
+from mmserve.errors import MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime import compute
@@ -69,7 +69,7 @@ class ModelRegistry:
         mc = self.config.model(name)
         if mc is None:
             raise ModelNotFound(
-                f"the model {name!r} does not exist; available: {', '.join(self.names())}", param="model")
+                f"the model {clip(name)} does not exist; available: {', '.join(self.names())}", param="model")
         return mc
 
     def require(self, name: str) -> LoadedModel:
@@ -98,15 +98,21 @@ class ModelRegistry:
             rc = self.config.runtime
             t0 = time.monotonic()
             adapter = await compute.run(
-                lambda: LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype))
+                lambda: LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
+                                     hash_algorithm=self.config.prefix_cache.hash))
             model = LoadedModel(mc, adapter, self.build_actors(adapter))
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
             self.loaded[mc.name] = model
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
                           load_s=round(time.monotonic() - t0, 3))
-        except FileNotFoundError as e:
-            raise ServiceUnavailable(f"model {mc.name!r} could not be loaded: {e}") from None
+        except MMServeError:
+            raise
+        except Exception as e:  # any loader error (a corrupt file, a bad config): the model's, not the caller's
+            self.log.error("registry.load_failed", model=mc.name, path=str(mc.resolved_path()),
+                           error=f"{type(e).__name__}: {e}", exc_info=e)
+            raise ServiceUnavailable(f"model {mc.name!r} could not be loaded ({type(e).__name__}: "
+                                     f"{clip(str(e))}); see the server log") from None
         finally:
             del self._loading[mc.name]
             done.set()
