@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,6 +24,7 @@ from mmserve.errors import InternalError, MMServeError
 from mmserve.models.demo import COLORS, Q_COLOR, SHAPES, render_image
 from mmserve.runtime import faults
 from tests.helpers import ServerThread, ask, assert_nothing_held, colour_question
+from tests.test_e2e_openai import HealthProbe
 
 FAILED = re.compile(r"request ([0-9a-f]{32}) failed in ")
 # every per-request fault point (generator.step, the batched forward, is the actor's own)
@@ -227,3 +229,51 @@ def test_colliding_ids_faults_and_disconnects_never_cross_requests(runtimes, wor
             assert got == baseline[model, image], (label, model, image, faulted[label])
     assert on.health().ok and not any(s.restarts for s in on.runtime.supervisor.states.values())
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
+
+
+def _noisy_png_url(width, height, seed=0):
+    """A PNG that compresses badly (two bits of noise on a shape): a 4000x3000 one is ~12 MB."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.helpers import data_url
+
+    base = np.asarray(render_image("blue", "circle", background="white", seed=4).resize((width, height)))
+    noise = np.random.default_rng(seed).integers(0, 4, base.shape, dtype=np.uint8)
+    return data_url(Image.fromarray(np.clip(base.astype(np.int16) - noise, 0, 255).astype(np.uint8)))
+
+
+def test_a_huge_image_never_starves_other_streams_or_health(demo_server):
+    """Decoding and preprocessing run off the event loop and off the compute thread: while a 12 MB
+    4000x3000 PNG and a 1x10,000 strip arrive, another stream keeps its pace and /health answers.
+    (Generous bounds: the figures themselves go in the issue note.)"""
+    big = _noisy_png_url(4000, 3000)
+    strip = _noisy_png_url(1, 10_000)
+    heavy = [{"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": Q_COLOR}]}]} for url in (big, strip)]
+    gaps, statuses = [], {}
+    with HealthProbe(demo_server.url) as probe, httpx.Client(base_url=demo_server.url, timeout=120) as c:
+        def send(i):
+            statuses[i] = c.post("/v1/chat/completions", json=heavy[i]).status_code
+
+        body = {"model": "demo-wide", "messages": colour_question("green"), "stream": True,
+                "max_tokens": 120, "min_tokens": 120, "temperature": 0}
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            senders, last = [], None
+            for n, line in enumerate(line for line in resp.iter_lines() if line.startswith("data: {")):
+                now = time.perf_counter()
+                if n == 5:  # the stream is decoding: now the heavy requests arrive
+                    senders = [threading.Thread(target=send, args=(i,)) for i in (0, 1)]
+                    for t in senders:
+                        t.start()
+                if senders and any(t.is_alive() for t in senders):
+                    gaps.append(now - last)
+                last = now
+            for t in senders:
+                t.join()
+    lat = sorted(lat for _, lat in probe.samples)
+    print(f"huge image: stream's largest gap {max(gaps) * 1000:.0f} ms over {len(gaps)} tokens; "
+          f"/health p99 {lat[int(0.99 * (len(lat) - 1))] * 1000:.1f} ms over {len(lat)} polls; {statuses}")
+    assert statuses == {0: 200, 1: 422} and len(big) > 12_000_000
+    assert gaps and max(gaps) < 0.25 * 3
+    assert lat[int(0.99 * (len(lat) - 1))] < 0.05 * 3
