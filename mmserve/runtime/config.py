@@ -38,6 +38,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 32 * 1024 * 1024
+    shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, requests in flight get this long to finish
+    keep_alive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class RuntimeConfig:
     dtype: str = "float32"
     torch_threads: int = 0
     max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
+    load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ class SupervisorConfig:
     restart_backoff_s: float = 0.1
     max_restart_backoff_s: float = 5.0
     stall_timeout_s: float = 30.0  # an actor with work pending and no progress this long is hung
+    healthy_reset_s: float = 60.0  # an actor that ran this long since its last restart starts its backoff afresh
 
 
 @dataclass(frozen=True)
