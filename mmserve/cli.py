@@ -3,35 +3,51 @@
 from __future__ import annotations
 
 import argparse
-import functools
+import os
 import signal
 import sys
 
 import trio
 
 from mmserve.errors import MMServeError
-from mmserve.logs import configure_logging
+from mmserve.logs import configure_logging, get_logger
 
 
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import serve
     from mmserve.runtime.config import load_config, with_models
 
-    config = load_config(args.config)
-    if args.model:
-        config = with_models(config, args.model)
-    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    config = config.replace(server=server) if server else config
+    try:
+        config = load_config(args.config)
+        if args.model:
+            config = with_models(config, args.model)
+        server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        config = config.replace(server=server) if server else config
+    except (OSError, ValueError) as err:  # a config error is the operator's: one line, no traceback
+        print(f"mmserve serve: {err}", file=sys.stderr)
+        return 1
     configure_logging(args.log_format or config.logging.format, args.log_level or config.logging.level)
+
+    log = get_logger("runtime")
+    forced = []
 
     async def main():
         shutdown = trio.Event()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(functools.partial(serve, config, shutdown=shutdown))
-                async for _ in signals:
+                async def run_server():
+                    await serve(config, shutdown=shutdown)
+                    nursery.cancel_scope.cancel()  # stopped (drained): stop listening for signals
+                nursery.start_soon(run_server)
+                async for signum in signals:
+                    if shutdown.is_set():  # a second signal: stop now
+                        log.warning("runtime.stop_forced", signal=signal.Signals(signum).name)
+                        forced.append(signum)
+                        nursery.cancel_scope.cancel()
+                        return
+                    log.info("runtime.signal", signal=signal.Signals(signum).name)
                     shutdown.set()
-                    break
+                    nursery.start_soon(_exit_deadline, config.server.shutdown_grace_s + 5.0)
 
     failures: list[MMServeError] = []
     try:
@@ -40,7 +56,30 @@ def _serve(args: argparse.Namespace) -> int:
         failures.extend(group.exceptions)
     for err in failures:
         print(f"mmserve serve: {err.message}", file=sys.stderr)
-    return 1 if failures else 0
+    code = 1 if failures or forced else 0
+    _exit_now_if_a_step_is_stuck(code)
+    return code
+
+
+async def _exit_deadline(seconds: float) -> None:
+    """A hung model step (or anything else) never holds the exit beyond grace + 5 s."""
+    await trio.sleep(seconds)
+    get_logger("runtime").error("runtime.exit_forced", after_s=seconds)
+    _flush_and_exit(1)
+
+
+def _exit_now_if_a_step_is_stuck(code: int) -> None:
+    """Python joins the compute thread at exit; a step hung in it would hold the process."""
+    from mmserve.runtime import compute
+
+    if compute.busy_for() > 0:
+        _flush_and_exit(code)
+
+
+def _flush_and_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _train_demo(args: argparse.Namespace) -> int:

@@ -150,3 +150,7 @@ class ServiceUnavailable(MMServeError):
     status = 503
     type = "service_unavailable"
     code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, **kw):
+        super().__init__(message, **kw)
+        self.retry_after_s = retry_after_s  # sent as Retry-After when known

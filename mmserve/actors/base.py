@@ -23,6 +23,7 @@ class Actor(ABC):
     """
 
     name = "actor"
+    key: str | None = None  # the supervisor's name for it (e.g. `generator[demo]`), set when started
 
     def __init__(self, inbox_size: float = math.inf, **log_fields):
         self.inbox_send, self.inbox = trio.open_memory_channel(inbox_size)

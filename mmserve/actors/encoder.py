@@ -164,7 +164,7 @@ class Encoder(Actor):
     async def _add_pixels(self, misses: list[Miss], failed: dict) -> list[Miss]:
         """Each miss with its pixel tensor; the image processor runs in a worker thread, off the
         compute thread (a large image must not hold up every model step) and off the event loop."""
-        results = await trio.to_thread.run_sync(self._pixels, misses)
+        results = await trio.to_thread.run_sync(self._pixels, misses, abandon_on_cancel=True)
         ready = []
         for miss, result in zip(misses, results):
             if isinstance(result, Exception):
@@ -190,7 +190,7 @@ class Encoder(Actor):
     async def _forward_contained(self, chunk: list[Miss], failed: dict) -> list[tuple[Miss, torch.Tensor]]:
         """(miss, output) for every item of `chunk` the tower could encode."""
         try:
-            outputs = await compute.run(self._forward, chunk, abandon_on_cancel=True)
+            outputs = await compute.run(self._forward, chunk, abandon_on_cancel=True, owner=self.key)
         except Exception as e:
             if len(chunk) == 1:
                 self._fail_miss(chunk[0], e, failed)

@@ -221,7 +221,7 @@ class Generator(Actor):
             t0 = time.monotonic()
             budget -= chunk
             try:
-                token = await compute.run(self._prefill_chunk, seq, chunk, abandon_on_cancel=True)
+                token = await compute.run(self._prefill_chunk, seq, chunk, abandon_on_cancel=True, owner=self.key)
             except Exception as e:  # this sequence's input or state: its own cache is dropped with it
                 self._fail(seq, e, "generator (prefill)")
                 continue
@@ -295,7 +295,7 @@ class Generator(Actor):
 
     async def _decode_round(self) -> None:
         members = list(self.batch.members)
-        tokens = await compute.run(self._decode_step, members, abandon_on_cancel=True)
+        tokens = await compute.run(self._decode_step, members, abandon_on_cancel=True, owner=self.key)
         self.steps += 1
         self.log.debug("generator.step", batch=len(members), request_ids=[m.handle.request_id for m in members])
         finished = [seq for seq, token in zip(members, tokens)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import AsyncContextManager, Callable
 
 import trio
 
@@ -113,12 +114,14 @@ class Intake(Actor):
     name = "intake"
     ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
 
-    def __init__(self, limits: LimitsConfig, route: Callable[[str], Awaitable[tuple[LlavaAdapter, trio.MemorySendChannel]]]):
+    def __init__(self, limits: LimitsConfig,
+                 route: Callable[[str], AsyncContextManager[tuple[LlavaAdapter, trio.MemorySendChannel]]]):
         super().__init__()
         self.limits = limits
         self.route = route
         self.limiter = trio.CapacityLimiter(limits.decode_concurrency)
         self.fetch_limiter = trio.CapacityLimiter(limits.remote_image_policy.fetch_concurrency)
+        self.awaiting_load = 0  # requests in flight that wait for their model to load
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -180,7 +183,22 @@ class Intake(Actor):
     async def _prepare_one(self, handle: RequestHandle, log) -> None:
         if not handle.active:
             return
-        adapter, encoder_inbox = await self.route(handle.model)
+        # the lease keeps the model loaded until the job is in its encoder's inbox
+        async with AsyncExitStack() as stack:
+            self.awaiting_load += 1  # a load runs on its own clock (load_timeout_s): not a stall
+            try:
+                adapter, encoder_inbox = await stack.enter_async_context(self.route(handle.model))
+            finally:
+                self.awaiting_load -= 1
+            self.progressed()
+            await self._prepare_routed(handle, log, adapter, encoder_inbox)
+
+    def has_work(self) -> bool:
+        """Work that can stall: a request waiting for its model to load is not intake's work."""
+        pending = len(self.in_flight) - self.awaiting_load
+        return pending > 0 or self.inbox.statistics().current_buffer_used > 0
+
+    async def _prepare_routed(self, handle: RequestHandle, log, adapter: LlavaAdapter, encoder_inbox) -> None:
         request = handle.request
         t_fetch = time.monotonic()
         fetched = None
@@ -193,7 +211,7 @@ class Intake(Actor):
         t0 = time.monotonic()
         prompt, decode_s, preprocess_s = await trio.to_thread.run_sync(
             _decode_and_prepare, adapter, request, self.limits, fetched, handle.client_request_id,
-            limiter=self.limiter)
+            limiter=self.limiter, abandon_on_cancel=True)  # a hung decode never holds a shutdown
         log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(prompt.spans),
                  queued_s=round(t_fetch - handle.created, 6), fetch_s=round(t0 - t_fetch, 6),
                  decode_s=round(decode_s, 6), preprocess_s=round(preprocess_s, 6),

@@ -246,7 +246,7 @@ class PrefixCacheManager(Actor):
                           hash=key_prefix(evicted))
         try:
             if placed:
-                await compute.run(self._write, msg.kv, placed, msg.label)
+                await compute.run(self._write, msg.kv, placed, msg.label, owner=self.key)
         except Exception:  # no entry may name a slot its KV never reached
             self.store.release(msg.request_id)
             self.store.discard([slot for _, slot, _ in placed])

@@ -87,8 +87,12 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.get("/health")
     async def health():
-        h = rt.health()
-        return Response(json.dumps(h.to_json()), status=200 if h.ok else 503, mimetype="application/json")
+        """The runtime's health; `?model=NAME` answers for one model (its actors and the intake)."""
+        h = rt.health(request.args.get("model"))
+        resp = Response(json.dumps(h.to_json()), status=200 if h.ok else 503, mimetype="application/json")
+        if not h.ok:
+            resp.headers["Retry-After"] = str(max(1, round(h.retry_after_s)))
+        return resp
 
     @app.get("/metrics")
     async def metrics():
@@ -116,7 +120,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     @app.get("/v1/models")
     async def models():
         data = [{"id": m["name"], "object": "model", "created": int(rt.started), "owned_by": "mmserve",
-                 "loaded": m["loaded"]} for m in rt.models()]
+                 "loaded": m["loaded"], "state": m["state"]} for m in rt.models()]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")

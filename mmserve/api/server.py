@@ -16,9 +16,12 @@ async def serve(config: Config, *, shutdown: trio.Event | None = None, on_runtim
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Opens a Runtime and serves it over HTTP until `shutdown` is set (or cancelled).
 
-    `task_status.started` receives the bound URLs (e.g. `http://127.0.0.1:54321`), so a
-    caller binding port 0 learns the real port. `on_runtime(rt)` is called with the running
-    Runtime before the socket opens (for embedding programs and tests that inspect it).
+    Setting `shutdown` drains first: the socket stays open while requests in flight finish (up
+    to `[server] shutdown_grace_s`), new ones get a 503 with Retry-After and /health says
+    "draining"; then the server closes. `task_status.started` receives the bound URLs (e.g.
+    `http://127.0.0.1:54321`), so a caller binding port 0 learns the real port. `on_runtime(rt)`
+    is called with the running Runtime before the socket opens (for embedding programs and tests
+    that inspect it).
     """
     log = get_logger("http")
     async with Runtime.open(config) as rt:
@@ -28,11 +31,52 @@ async def serve(config: Config, *, shutdown: trio.Event | None = None, on_runtim
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None
         hc.errorlog = None
-        hc.keep_alive_timeout = 75
-        app = create_app(rt)
+        hc.keep_alive_timeout = config.server.keep_alive_timeout_s
+        app = _close_safely(create_app(rt))
+        hc.graceful_timeout = 5.0  # after the drain only idle keep-alive connections are left
+        closed = trio.Event()
+
+        async def drain_then_close() -> None:
+            await shutdown.wait()
+            await rt.drain()
+            closed.set()
+
         async with trio.open_nursery() as nursery:
-            trigger = shutdown.wait if shutdown is not None else None
+            if shutdown is not None:
+                nursery.start_soon(drain_then_close)
             binds = await nursery.start(lambda task_status: hypercorn_serve(
-                app, hc, shutdown_trigger=trigger, task_status=task_status))
+                app, hc, shutdown_trigger=closed.wait if shutdown is not None else None,
+                task_status=task_status, mode="asgi"))
             log.info("http.listening", urls=binds, models=rt.registry.names())
             task_status.started(binds)
+
+
+def _close_safely(app):
+    """`app` with its last `http.response.body` send shielded from cancellation.
+
+    Hypercorn's h11 protocol finishes a connection that must close (`Connection: close`, HTTP/1.0,
+    `keep_alive_max_requests` reached) from inside that send: it tells the app `http.disconnect`,
+    then shuts the socket down. quart-trio's message task sees the disconnect and cancels the
+    nursery the send runs in, and that cancellation lands on the first checkpoint of the socket
+    close (`send_eof`), before `aclose`: the response is complete but the socket stays open until
+    the client gives up (and the server holds its descriptor). A kept-alive connection is recycled
+    in the same send, and the same cancellation stops hypercorn restarting its idle timer, so
+    `keep_alive_timeout` would never close it. Shielding this one send lets both finish; it adds
+    no wait of its own (hypercorn already shields the socket write, the
+    disconnect goes to a queue quart drains, the close is immediate).
+    """
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_final_shielded(message):
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        return await app(scope, receive, send_final_shielded)
+
+    return asgi

@@ -30,13 +30,12 @@ T = TypeVar("T")
 log = get_logger("compute")
 
 
-class ComputeThreadReplaced(RuntimeError):
-    """A step queued on a compute thread that `replace` abandoned: it never ran."""
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 _threads = 0  # torch intra-op threads for the compute thread; 0 = torch's default
 _busy_since: float | None = None  # when the step now running started (None: idle)
+_busy_owner: str | None = None  # who submitted it (an actor's supervisor key)
 
 
 def configure(threads: int) -> None:
@@ -60,19 +59,24 @@ def _init() -> None:
         torch.set_num_threads(_threads)
 
 
-def _timed(fn, *args):
-    global _busy_since
-    _busy_since = time.monotonic()
+def _timed(owner, fn, *args):
+    global _busy_since, _busy_owner
+    _busy_since, _busy_owner = time.monotonic(), owner
     try:
         return fn(*args)
     finally:
-        _busy_since = None
+        _busy_since = _busy_owner = None
 
 
 def busy_for() -> float:
     """Seconds the step now running on the compute thread has taken (0 when idle)."""
     since = _busy_since
     return time.monotonic() - since if since is not None else 0.0
+
+
+def busy_owner() -> str | None:
+    """The owner of the step now running on the compute thread (None when idle or unnamed)."""
+    return _busy_owner
 
 
 def replace(reason: str) -> None:
@@ -85,13 +89,26 @@ def replace(reason: str) -> None:
         log.warning("compute.thread_replaced", reason=reason)
 
 
-async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
+async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False, owner: str | None = None) -> T:
     """Runs `fn(*args)` on the compute thread (with the caller's log context) and returns its
     result. Cancelled callers wait for the step to finish unless `abandon_on_cancel`, in which
-    case the step finishes unobserved (its result is dropped)."""
+    case the step finishes unobserved (its result is dropped). `owner` names the caller for the
+    stall watchdog. A step still queued when the thread is replaced runs on the new thread."""
+    while True:
+        try:
+            return await _run_once(fn, args, abandon_on_cancel, owner)
+        except _Dropped:
+            continue  # it never ran: nothing to undo, so it runs on the fresh thread
+
+
+class _Dropped(Exception):
+    """A step queued on a compute thread that `replace` abandoned: it never ran."""
+
+
+async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None):
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
-    future: Future = _pool().submit(contextvars.copy_context().run, _timed, fn, *args)
+    future: Future = _pool().submit(contextvars.copy_context().run, _timed, owner, fn, *args)
 
     def wake(_: Future) -> None:
         try:
@@ -109,6 +126,4 @@ async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T
     try:
         return future.result()
     except CancelledError:
-        raise ComputeThreadReplaced(
-            "the compute thread was replaced after a stalled step, and this queued step was dropped "
-            "with it") from None
+        raise _Dropped() from None

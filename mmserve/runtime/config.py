@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +14,99 @@ from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
+DTYPES = ("float32", "float16", "bfloat16")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's names (Image.format), upper case
+LOG_FORMATS = ("json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_DEVICE = re.compile(r"(cpu|mps|cuda(:[0-9]+)?)")
+
+
+# -- validation ---------------------------------------------------------------------------------
+# Every check raises ValueError("config [SECTION] KEY: must be WHAT, got VALUE"); `where` is the part
+# after "config " ("[server]", "[[models]] 'demo'"), so one line of __post_init__ checks one key.
+
+
+def _fail(where: str, key: str, want: str, value: Any) -> None:
+    raise ValueError(f"config {where} {key}: must be {want}, got {value!r}")
+
+
+def _range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f"from {lo} to {hi}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo}"
+    return f"<= {hi}" if hi is not None else ""
+
+
+def _int(where: str, key: str, value: Any, lo: int | None = None, hi: int | None = None, bound: str = "") -> None:
+    """An int (not a bool) in [lo, hi]; `bound` words the range when a bound is another key."""
+    if (not isinstance(value, int) or isinstance(value, bool)
+            or (lo is not None and value < lo) or (hi is not None and value > hi)):
+        _fail(where, key, f"an integer {bound or _range(lo, hi)}".rstrip(), value)
+
+
+def _number(where: str, key: str, value: Any, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False, bound: str = "") -> None:
+    """A finite int or float (not a bool) in [lo, hi], or (lo, hi] with lo_open; `bound` as in _int."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value <= hi
+    if not ok:
+        _fail(where, key, f"a number {bound or _range(lo, hi, lo_open)}".rstrip(), value)
+
+
+def _bool(where: str, key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(where, key, "true or false", value)
+
+
+def _str(where: str, key: str, value: Any, empty: bool = False) -> None:
+    """A string; a non-empty one (not just spaces) unless `empty`."""
+    if not isinstance(value, str) or (not empty and not value.strip()):
+        _fail(where, key, "a string" if empty else "a non-empty string", value)
+
+
+def _choice(where: str, key: str, value: Any, choices: tuple) -> None:
+    if isinstance(value, bool) or value not in choices:
+        _fail(where, key, "one of " + ", ".join(repr(c) for c in choices), value)
+
+
+def _strings(obj: Any, where: str, key: str, choices: tuple[str, ...] | None = None, nonempty: bool = False) -> None:
+    """A list of non-empty strings (of `choices`, if given; at least one if `nonempty`); stored as a tuple."""
+    value = getattr(obj, key)
+    want = ("a non-empty list" if nonempty else "a list") + (
+        " with entries among " + ", ".join(repr(c) for c in choices) if choices
+        else " of non-empty strings without surrounding spaces")
+    if not isinstance(value, (list, tuple)) or (nonempty and not value):
+        _fail(where, key, want, value)
+    for item in value:
+        if not isinstance(item, str) or (item not in choices if choices else (not item or item != item.strip())):
+            _fail(where, key, want, value)
+    object.__setattr__(obj, key, tuple(value))
+
+
+def _known_builtins() -> tuple[str, ...]:
+    """The demo checkpoints `builtin:NAME` can name (found without importing torch)."""
+    spec = importlib.util.find_spec("mmserve.models.demo")
+    root = Path(spec.origin).parent / "checkpoints" if spec and spec.origin else None
+    if root is None or not root.is_dir():
+        return ()
+    return tuple(sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))))
+
+
+def check_model_path(m: "ModelConfig") -> None:
+    """That a model's checkpoint exists: a directory, or a known `builtin:NAME` (config files only;
+    a ModelConfig built in code may name a missing directory, which the registry reports at load)."""
+    where = f"[[models]] {m.name!r}"
+    if m.path.startswith(BUILTIN_PREFIX):
+        known = _known_builtins()
+        if m.path[len(BUILTIN_PREFIX):] not in known:
+            builtins = ", ".join(repr(BUILTIN_PREFIX + k) for k in known)
+            _fail(where, "path", f"a checkpoint directory or one of {builtins}", m.path)
+    elif not Path(m.path).expanduser().is_dir():
+        _fail(where, "path", "an existing checkpoint directory", m.path)
 
 
 @dataclass(frozen=True)
@@ -19,6 +115,14 @@ class ModelConfig:
     path: str
     default: bool = False
     load: str | None = None  # "eager" | "on_demand"; None: eager for the default model only
+
+    def __post_init__(self) -> None:
+        _str("[[models]]", "name", self.name)
+        w = f"[[models]] {self.name!r}"
+        _str(w, "path", self.path)
+        _bool(w, "default", self.default)
+        if self.load is not None:
+            _choice(w, "load", self.load, ("eager", "on_demand"))
 
     @property
     def eager(self) -> bool:
@@ -41,6 +145,14 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, requests in flight get this long to finish
     keep_alive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
 
+    def __post_init__(self) -> None:
+        w = "[server]"
+        _str(w, "host", self.host)
+        _int(w, "port", self.port, 0, 65535)
+        _int(w, "max_body_bytes", self.max_body_bytes, 1)
+        _number(w, "shutdown_grace_s", self.shutdown_grace_s, 0)
+        _number(w, "keep_alive_timeout_s", self.keep_alive_timeout_s, 0, lo_open=True)
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -49,6 +161,15 @@ class RuntimeConfig:
     torch_threads: int = 0
     max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
     load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
+
+    def __post_init__(self) -> None:
+        w = "[runtime]"
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            _fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
+        _choice(w, "dtype", self.dtype, DTYPES)
+        _int(w, "torch_threads", self.torch_threads, 0)
+        _int(w, "max_loaded_models", self.max_loaded_models, 0)
+        _number(w, "load_timeout_s", self.load_timeout_s, 0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -69,23 +190,19 @@ class RemoteImagesConfig:
     def __post_init__(self) -> None:
         from mmserve.runtime.remote_images import normalize_host_pattern
 
-        where = "config [limits]"
+        w = "[limits]"  # named by their [limits] keys
         hosts = self.allowed_hosts
-        if isinstance(hosts, str) or not all(isinstance(h, str) for h in hosts):
-            raise ValueError(f"{where}: remote_image_hosts must be a list of host names, got {hosts!r}")
+        if isinstance(hosts, str) or not isinstance(hosts, (list, tuple)) or not all(isinstance(h, str) for h in hosts):
+            _fail(w, "remote_image_hosts", "a list of host names", hosts)
         object.__setattr__(self, "allowed_hosts", tuple(
-            normalize_host_pattern(h, f"{where} remote_image_hosts") for h in hosts))
-        for key, name in (("enabled", "remote_images"), ("allow_http", "remote_image_allow_http"),
-                          ("allow_private", "remote_image_allow_private")):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{where}: {name} must be true or false")
-        for key, name, lo in (("max_bytes", "remote_image_max_bytes", 1), ("max_redirects", "remote_image_max_redirects", 0),
-                              ("fetch_concurrency", "remote_image_fetch_concurrency", 1)):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"{where}: {name} must be an integer >= {lo}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"{where}: remote_image_timeout_s must be a number > 0")
+            normalize_host_pattern(h, f"config {w} remote_image_hosts") for h in hosts))
+        _bool(w, "remote_images", self.enabled)
+        _bool(w, "remote_image_allow_http", self.allow_http)
+        _bool(w, "remote_image_allow_private", self.allow_private)
+        _int(w, "remote_image_max_bytes", self.max_bytes, 1)
+        _number(w, "remote_image_timeout_s", self.timeout_s, 0, lo_open=True)
+        _int(w, "remote_image_max_redirects", self.max_redirects, 0)
+        _int(w, "remote_image_fetch_concurrency", self.fetch_concurrency, 1)
 
 
 @dataclass(frozen=True)
@@ -115,10 +232,24 @@ class LimitsConfig:
     remote_image_fetch_concurrency: int = 16
 
     def __post_init__(self) -> None:
-        v = self.remote_image_max_bytes
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError("config [limits]: remote_image_max_bytes must be an integer >= 0 (0: max_image_bytes)")
-        self.remote_image_policy  # a bad remote_image_* value fails at load time, not at the first request
+        w = "[limits]"
+        _int(w, "max_messages", self.max_messages, 1)
+        _int(w, "max_images_per_request", self.max_images_per_request, 0)  # 0: text only
+        _int(w, "max_image_bytes", self.max_image_bytes, 1)
+        _int(w, "max_image_pixels", self.max_image_pixels, 1)
+        _number(w, "max_image_aspect_ratio", self.max_image_aspect_ratio, 1)
+        _int(w, "max_json_depth", self.max_json_depth, 2, 1000)
+        _strings(self, w, "image_formats", IMAGE_FORMATS, nonempty=True)
+        _int(w, "max_prompt_tokens", self.max_prompt_tokens, 1)
+        _int(w, "max_tokens", self.max_tokens, 1)
+        _int(w, "default_max_tokens", self.default_max_tokens, 1, self.max_tokens,
+             bound=f"from 1 to max_tokens ({self.max_tokens})")
+        _int(w, "max_stop_sequences", self.max_stop_sequences, 0)  # 0: "stop" refused
+        _int(w, "decode_concurrency", self.decode_concurrency, 1)
+        _int(w, "max_pending_requests", self.max_pending_requests, 1)
+        _number(w, "request_timeout_s", self.request_timeout_s, 0, lo_open=True)
+        _int(w, "remote_image_max_bytes", self.remote_image_max_bytes, 0)  # 0: max_image_bytes
+        self.remote_image_policy  # the other remote_image_* keys: checked (and hosts normalized) there
 
     @functools.cached_property
     def remote_image_policy(self) -> RemoteImagesConfig:
@@ -139,6 +270,14 @@ class EncoderCacheConfig:
     max_batch_images: int = 8
     batch_wait_ms: float = 2.0
 
+    def __post_init__(self) -> None:
+        w = "[encoder_cache]"
+        _bool(w, "enabled", self.enabled)
+        _int(w, "budget_bytes", self.budget_bytes, 0)
+        _int(w, "max_entries", self.max_entries, 0)
+        _int(w, "max_batch_images", self.max_batch_images, 1)
+        _number(w, "batch_wait_ms", self.batch_wait_ms, 0)
+
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
@@ -149,14 +288,23 @@ class PrefixCacheConfig:
     hash: str = "xxh3_128"  # "xxh3_128" | "sha256": the hash of block and multimodal content keys
 
     def __post_init__(self) -> None:
-        if self.hash not in HASH_ALGORITHMS:
-            raise ValueError(f"config [prefix_cache]: hash must be one of {list(HASH_ALGORITHMS)}, got {self.hash!r}")
+        w = "[prefix_cache]"
+        _bool(w, "enabled", self.enabled)
+        _int(w, "block_size", self.block_size, 1, 4096)
+        _int(w, "budget_bytes", self.budget_bytes, 0)
+        _number(w, "inflight_wait_s", self.inflight_wait_s, 0)
+        _choice(w, "hash", self.hash, HASH_ALGORITHMS)
 
 
 @dataclass(frozen=True)
 class GeneratorConfig:
     prefill_chunk_tokens: int = 512
     lookup_timeout_s: float = 2.0  # a prefix-cache look-up slower than this is treated as a miss
+
+    def __post_init__(self) -> None:
+        w = "[generator]"
+        _int(w, "prefill_chunk_tokens", self.prefill_chunk_tokens, 1)
+        _number(w, "lookup_timeout_s", self.lookup_timeout_s, 0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -166,6 +314,14 @@ class SupervisorConfig:
     stall_timeout_s: float = 30.0  # an actor with work pending and no progress this long is hung
     healthy_reset_s: float = 60.0  # an actor that ran this long since its last restart starts its backoff afresh
 
+    def __post_init__(self) -> None:
+        w = "[supervisor]"
+        _number(w, "restart_backoff_s", self.restart_backoff_s, 0, lo_open=True)
+        _number(w, "max_restart_backoff_s", self.max_restart_backoff_s, self.restart_backoff_s,
+                bound=f">= restart_backoff_s ({self.restart_backoff_s})")
+        _number(w, "stall_timeout_s", self.stall_timeout_s, 0, lo_open=True)
+        _number(w, "healthy_reset_s", self.healthy_reset_s, 0, lo_open=True)
+
 
 @dataclass(frozen=True)
 class AuthConfig:
@@ -173,6 +329,13 @@ class AuthConfig:
     api_keys_env: str = "MMSERVE_API_KEYS"   # comma-separated keys, added to api_keys
     admin_key: str = ""
     admin_key_env: str = "MMSERVE_ADMIN_KEY"
+
+    def __post_init__(self) -> None:
+        w = "[auth]"
+        _strings(self, w, "api_keys")
+        _str(w, "api_keys_env", self.api_keys_env, empty=True)  # "": no environment variable
+        _str(w, "admin_key", self.admin_key, empty=True)  # "": admin endpoints off (unless admin_key_env)
+        _str(w, "admin_key_env", self.admin_key_env, empty=True)
 
     def keys(self) -> tuple[str, ...]:
         import os
@@ -191,6 +354,10 @@ class LoggingConfig:
     format: str = "json"
     level: str = "info"
 
+    def __post_init__(self) -> None:
+        _choice("[logging]", "format", self.format, LOG_FORMATS)
+        _choice("[logging]", "level", self.level, LOG_LEVELS)
+
 
 @dataclass(frozen=True)
 class Config:
@@ -204,6 +371,23 @@ class Config:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"config [{name}]: must be a {cls.__name__}, got {getattr(self, name)!r}")
+        models = self.models
+        if not isinstance(models, (list, tuple)) or not all(isinstance(m, ModelConfig) for m in models):
+            raise ValueError(f"config [[models]]: must be a list of ModelConfig, got {models!r}")
+        if not models:
+            raise ValueError("config [[models]]: is empty; configure at least one model")
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            _fail("[[models]]", "name", "unique across models", sorted({n for n in names if names.count(n) > 1}))
+        defaults = [m.name for m in models if m.default]
+        if len(defaults) > 1:
+            _fail("[[models]]", "default", "true for at most one model", defaults)
+        object.__setattr__(self, "models", tuple(models))
 
     @property
     def default_model(self) -> str:
@@ -239,43 +423,49 @@ _SECTIONS = {
 }
 
 
-def _section(cls: type, raw: dict, where: str):
+def _section(cls: type, raw: Any, where: str):
+    """`where` is the label: "[server]", "[[models]]"."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {where}: must be a table, got {raw!r}")
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(raw) - set(known)
     if unknown:
-        raise ValueError(f"config [{where}]: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise ValueError(f"config {where}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    missing = [k for k, f in known.items()
+               if k not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"config {where}: missing key(s) {missing}, got {raw!r}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
     return cls(**values)
 
 
 def config_from_dict(raw: dict, base_dir: Path | None = None) -> Config:
-    """Builds a Config from parsed TOML; relative model paths resolve against `base_dir`."""
+    """Builds a Config from parsed TOML, checking every key (ValueError names the section, the key
+    and the value); relative model paths resolve against `base_dir`, and must exist."""
     raw = dict(raw)
     kwargs: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         if name in raw:
-            kwargs[name] = _section(cls, raw.pop(name), name)
+            kwargs[name] = _section(cls, raw.pop(name), f"[{name}]")
     if "models" in raw:
+        entries = raw.pop("models")
+        if not isinstance(entries, list):
+            raise ValueError(f"config [[models]]: must be an array of tables ([[models]]), got {entries!r}")
         models = []
-        for entry in raw.pop("models"):
-            m = _section(ModelConfig, entry, "models")
+        for entry in entries:
+            m = _section(ModelConfig, entry, "[[models]]")
             if base_dir is not None and not m.path.startswith(BUILTIN_PREFIX):
                 p = Path(m.path).expanduser()
                 if not p.is_absolute():
                     m = dataclasses.replace(m, path=str(base_dir / p))
             models.append(m)
-        for m in models:
-            if m.load not in (None, "eager", "on_demand"):
-                raise ValueError(f"config [[models]] {m.name!r}: load must be 'eager' or 'on_demand', got {m.load!r}")
-        if not models:
-            raise ValueError("config: [[models]] is empty; configure at least one model")
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"config: duplicate model names in {names}")
         kwargs["models"] = tuple(models)
     if raw:
         raise ValueError(f"config: unknown section(s) {sorted(raw)}")
-    return Config(**kwargs)
+    config = Config(**kwargs)  # every section and model checked (their __post_init__s)
+    for m in config.models:
+        check_model_path(m)
+    return config
 
 
 def load_config(path: str | Path | None) -> Config:
@@ -284,7 +474,11 @@ def load_config(path: str | Path | None) -> Config:
         return Config()
     path = Path(path)
     with path.open("rb") as f:
-        return config_from_dict(tomllib.load(f), base_dir=path.parent.resolve())
+        try:
+            raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config {path}: not valid TOML: {e}") from None
+    return config_from_dict(raw, base_dir=path.parent.resolve())
 
 
 def with_models(config: Config, names: list[str]) -> Config:

@@ -70,7 +70,10 @@ class _RuntimeCollector:
         c = lambda name, doc, labels=("model_name",): CounterMetricFamily(name, doc, labels=list(labels))  # noqa: E731
         running = g("mmserve:num_requests_running", "Sequences in the generator (prefilling or decoding).")
         waiting = g("mmserve:num_requests_waiting", "Requests accepted but not yet in the generator.")
-        kv_usage = g("mmserve:kv_cache_usage_perc", "Fraction of prefix-cache KV slots in use (0-1).")
+        kv_usage = g("mmserve:kv_cache_usage_perc",
+                     "Fraction of KV blocks held by running requests (0-1); cached blocks nobody holds count as free.")
+        kv_evictable = g("mmserve:kv_cache_evictable_perc",
+                         "Fraction of KV blocks holding cached prefixes nobody holds (free to evict, 0-1).")
         enc_bytes = g("mmserve:encoder_cache_bytes", "Bytes of encoder outputs held in the encoder cache.")
         pq = c("mmserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         ph = c("mmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -87,11 +90,12 @@ class _RuntimeCollector:
             mh.add_metric([name], enc.get("hits", 0))
             if m.prefix_cache is not None:
                 pc = m.prefix_cache.stats()
-                used = pc["num_slots"] - pc["free_slots"]
-                kv_usage.add_metric([name], used / pc["num_slots"] if pc["num_slots"] else 0.0)
+                slots = pc["num_slots"] or 1
+                kv_usage.add_metric([name], pc["pinned_slots"] / slots)
+                kv_evictable.add_metric([name], (pc["entries"] - pc["pinned_slots"]) / slots)
                 pq.add_metric([name], pc["query_tokens"])
                 ph.add_metric([name], pc["hit_tokens"])
-        yield from (running, waiting, kv_usage, enc_bytes, pq, ph, mq, mh)
+        yield from (running, waiting, kv_usage, kv_evictable, enc_bytes, pq, ph, mq, mh)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():
             restarts.add_metric([key], state.restarts)

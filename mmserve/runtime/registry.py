@@ -4,8 +4,11 @@ recently used idle one beyond `max_loaded_models`, and gives each loaded model i
 from __future__ import annotations
 
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
+import torch
 import trio
 
 from mmserve.actors.base import Actor
@@ -15,7 +18,6 @@ from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.errors import MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.llava import LlavaAdapter
-from mmserve.runtime import compute
 from mmserve.runtime.config import Config, ModelConfig
 from mmserve.runtime.supervisor import Supervisor
 
@@ -26,6 +28,7 @@ class LoadedModel:
     adapter: LlavaAdapter
     actors: dict[str, Actor]  # "encoder", "generator" and, when enabled, "prefix_cache"
     last_used: float = field(default_factory=time.monotonic)
+    leases: int = 0  # requests routed here whose first message is not yet in an actor's inbox
 
     @property
     def name(self) -> str:
@@ -48,7 +51,7 @@ class LoadedModel:
 
     @property
     def idle(self) -> bool:
-        return not (self.generator.running or any(
+        return not (self.leases or self.generator.running or any(
             a.in_flight or a.inbox.statistics().current_buffer_used for a in self.actors.values()))
 
 
@@ -59,7 +62,27 @@ class ModelRegistry:
         self.build_actors = build_actors
         self.loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, trio.Event] = {}
+        self._failed: set[str] = set()  # the last load of these failed (the next request tries again)
         self.log = get_logger("registry")
+
+    def states(self) -> dict[str, str]:
+        """Each configured model's state: "ok" (loaded), "loading", "failed" or "not_loaded"."""
+        def state(name: str) -> str:
+            if name in self.loaded:
+                return "ok"
+            return "loading" if name in self._loading else "failed" if name in self._failed else "not_loaded"
+        return {name: state(name) for name in self.names()}
+
+    @asynccontextmanager
+    async def lease(self, name: str) -> AsyncIterator[LoadedModel]:
+        """The loaded model `name` (loading it if needed), which is not unloaded while held: hold
+        it until the request's first message is in one of the model's inboxes."""
+        model = await self.get(name)
+        model.leases += 1
+        try:
+            yield model
+        finally:
+            model.leases -= 1
 
     def names(self) -> list[str]:
         return [m.name for m in self.config.models]
@@ -92,23 +115,28 @@ class ModelRegistry:
         return model
 
     async def _load(self, mc: ModelConfig) -> None:
+        """Loads in a worker thread of its own, on its own clock (`load_timeout_s`): a large
+        checkpoint is not a stalled model step, and the compute thread keeps serving."""
         done = self._loading[mc.name] = trio.Event()
         try:
             self._make_room()
             rc = self.config.runtime
             t0 = time.monotonic()
-            adapter = await compute.run(
-                lambda: LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
-                                     hash_algorithm=self.config.prefix_cache.hash))
+            with trio.move_on_after(rc.load_timeout_s) as timer:
+                adapter = await trio.to_thread.run_sync(self._read_checkpoint, mc, abandon_on_cancel=True)
+            if timer.cancelled_caught:
+                raise TimeoutError(f"the load took longer than load_timeout_s = {rc.load_timeout_s} s")
             model = LoadedModel(mc, adapter, self.build_actors(adapter))
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
             self.loaded[mc.name] = model
+            self._failed.discard(mc.name)
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
                           load_s=round(time.monotonic() - t0, 3))
         except MMServeError:
             raise
         except Exception as e:  # any loader error (a corrupt file, a bad config): the model's, not the caller's
+            self._failed.add(mc.name)
             self.log.error("registry.load_failed", model=mc.name, path=str(mc.resolved_path()),
                            error=f"{type(e).__name__}: {e}", exc_info=e)
             raise ServiceUnavailable(f"model {mc.name!r} could not be loaded ({type(e).__name__}: "
@@ -116,6 +144,14 @@ class ModelRegistry:
         finally:
             del self._loading[mc.name]
             done.set()
+
+    def _read_checkpoint(self, mc: ModelConfig) -> LlavaAdapter:
+        # one torch thread: a second OpenMP team in the process would make libgomp stop
+        # spin-waiting in the compute thread's team for good (runtime/compute.py)
+        torch.set_num_threads(1)
+        rc = self.config.runtime
+        return LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
+                            hash_algorithm=self.config.prefix_cache.hash)
 
     def _make_room(self) -> None:
         limit = self.config.runtime.max_loaded_models

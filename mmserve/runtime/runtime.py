@@ -195,13 +195,17 @@ class Runtime:
         self.log = get_logger("runtime")
         self.started = time.time()
         self._live: set[RequestHandle] = set()
+        self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
         self.metrics = Metrics()
         self.metrics.attach(self)
 
     @classmethod
     @asynccontextmanager
     async def open(cls, config: Config | str | None = None) -> AsyncIterator["Runtime"]:
-        """Loads the configured models, starts the actors, and yields the running Runtime."""
+        """Loads the configured models, starts the actors, and yields the running Runtime.
+
+        Leaving the block drains: nothing new is admitted, requests in flight get up to
+        `[server] shutdown_grace_s` to finish, and the rest end with a 503 `shutdown` error."""
         if not isinstance(config, Config):
             config = load_config(config)
         if config.runtime.torch_threads:
@@ -213,10 +217,12 @@ class Runtime:
             try:
                 await rt._start()
                 yield rt
+                await rt.drain()
             except Exception as e:  # re-raised below as itself, not wrapped in an ExceptionGroup
                 body_error = e
             finally:
                 nursery.cancel_scope.cancel()
+                rt.log.info("runtime.stopped", **rt.drained)
         if body_error is not None:
             raise body_error
 
@@ -227,6 +233,30 @@ class Runtime:
                 await self.registry.get(mc.name)
         self.supervisor.ready = True
         self.log.info("runtime.started", models=self.registry.names(), loaded=sorted(self.registry.loaded))
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stops admitting (new requests: 503 with Retry-After; /health: 503 "draining"), lets the
+        requests in flight finish for up to `grace_s` (default `[server] shutdown_grace_s`), then
+        ends the rest with a 503 `shutdown` error: a stream gets an error event and [DONE]."""
+        if self.supervisor.draining:
+            return
+        grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
+        self.supervisor.draining = True
+        at_start = self._in_flight()
+        self.log.info("runtime.draining", in_flight=len(at_start), grace_s=grace)
+        with trio.move_on_after(grace):
+            while self._in_flight():
+                await trio.sleep(0.02)
+        cut = self._in_flight()
+        for handle in cut:
+            handle.fail(ServiceUnavailable("the server is shutting down and this request did not finish within "
+                                           f"its grace period ({grace:g} s); retry", code="shutdown",
+                                           retry_after_s=5.0))
+        self.drained = {"in_flight_at_drain": len(at_start), "finished_in_grace": len(at_start) - len(cut),
+                        "cut": len(cut)}
+
+    def _in_flight(self) -> list[RequestHandle]:
+        return [h for h in self._live if h.active]
 
     def _build_actors(self, adapter) -> dict:
         pc = self.config.prefix_cache
@@ -239,18 +269,25 @@ class Runtime:
         actors["generator"] = generator
         return actors
 
+    @asynccontextmanager
     async def _route(self, model: str):
-        loaded = await self.registry.get(model)
-        return loaded.adapter, loaded.encoder.inbox_send
+        """The model's adapter and encoder inbox, the model leased (not unloaded) meanwhile."""
+        async with self.registry.lease(model) as loaded:
+            yield loaded.adapter, loaded.encoder.inbox_send
 
     # -- the API -------------------------------------------------------------------------
 
-    def health(self) -> Health:
-        return self.supervisor.health()
+    def health(self, model: str | None = None) -> Health:
+        """The runtime's health, or one model's (its actors and the shared intake): a load balancer
+        can route around one sick model. ModelNotFound for a name that is not configured."""
+        if model is not None:
+            self.registry.configured(model)
+        return self.supervisor.health(model, self.registry.states())
 
     def models(self) -> list[dict[str, Any]]:
-        return [{"name": m.name, "loaded": m.name in self.registry.loaded, "default": m.name == self.config.default_model}
-                for m in self.config.models]
+        states = self.health().models
+        return [{"name": m.name, "loaded": m.name in self.registry.loaded, "state": states[m.name],
+                 "default": m.name == self.config.default_model} for m in self.config.models]
 
     def stats(self) -> dict[str, dict]:
         """Per loaded model: its encoder's and encoder cache's counters."""
@@ -330,9 +367,10 @@ class Runtime:
                 body["messages"] = messages
             request = self.parse(body)
         self.registry.configured(request.model)
-        health = self.health()
-        if not health.ok:
-            raise ServiceUnavailable(f"mmserve is not ready: {health.reason}")
+        health = self.supervisor.health(request.model)  # a model that failed to load is tried again
+        if not health.ok:  # fail fast: never queue behind a dead, hung or draining actor
+            raise ServiceUnavailable(f"model {request.model!r} cannot answer now: {health.reason}",
+                                     retry_after_s=health.retry_after_s)
         self._admit_or_refuse()
         send, receive = trio.open_memory_channel(math.inf)
         handle = RequestHandle(new_request_id(), request, send, client_request_id=client_request_id)

@@ -40,15 +40,28 @@ def _describe(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Health:
+    """The runtime's health, or one model's (`model`). `models` maps each model to its state:
+    "ok", "down" (an actor of it died or hung: restarting), "loading", "not_loaded" or "failed"."""
+
     ok: bool
     actors: dict[str, bool] = field(default_factory=dict)
     reason: str | None = None
+    models: dict[str, str] = field(default_factory=dict)
+    model: str | None = None
+    retry_after_s: float = 1.0
 
     def to_json(self) -> dict:
-        body = {"status": "ok" if self.ok else "unavailable", "actors": self.actors}
+        body = {"status": "ok" if self.ok else "unavailable", "actors": self.actors, "models": self.models}
+        if self.model is not None:
+            body["model"] = self.model
         if self.reason:
             body["reason"] = self.reason
         return body
+
+
+def model_of(key: str) -> str | None:
+    """The model an actor key belongs to (`generator[demo]` → `demo`); None for shared actors."""
+    return key[key.index("[") + 1:-1] if key.endswith("]") and "[" in key else None
 
 
 class Supervisor:
@@ -58,6 +71,7 @@ class Supervisor:
         self.log = get_logger("supervisor")
         self._nursery: trio.Nursery | None = None
         self.ready = False
+        self.draining = False
 
     def attach(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -72,15 +86,26 @@ class Supervisor:
             for state in list(self.states.values()):
                 actor = state.actor
                 if state.alive and state.run_scope is not None and actor.has_work() \
-                        and now - actor.last_progress > limit:
+                        and now - actor.last_progress > limit and not self._waits_on_another(state.key, limit):
                     state.stalled = True
                     state.alive = False
+                    state.died_at = now
+                    state.last_error = f"stalled: no progress for {limit}s with work pending"
+                    self.log.error("supervisor.actor_stalled", target=state.key, stalled_s=round(now - actor.last_progress, 3))
                     state.run_scope.cancel()
-                    if compute.busy_for() > limit:  # the hung step holds the compute thread
+                    if compute.busy_for() > limit and compute.busy_owner() == state.key:  # its hung step holds the thread
                         compute.replace(f"{state.key} stalled in a model step")
+
+    @staticmethod
+    def _waits_on_another(key: str, limit: float) -> bool:
+        """Whether `key` is only queued behind another actor's hung step on the shared compute
+        thread: that one is the hung actor, this one is waiting (and goes on once it is replaced)."""
+        owner = compute.busy_owner()
+        return compute.busy_for() > limit and owner is not None and owner != key
 
     def start(self, actor: Actor, key: str) -> None:
         """Starts supervising `actor` under the name `key` (e.g. `generator[demo]`)."""
+        actor.key = key
         state = ActorState(actor, key, alive=True)
         self.states[key] = state
         self._nursery.start_soon(self._supervise, state)
@@ -100,6 +125,7 @@ class Supervisor:
         while True:
             state.alive, state.stalled = True, False
             state.actor.progressed()
+            started = trio.current_time()
             try:
                 with trio.CancelScope() as state.run_scope:
                     await state.actor.run()
@@ -109,6 +135,8 @@ class Supervisor:
                 self._contain(state, f"stalled: no progress for {self.config.stall_timeout_s}s with work pending")
             except Exception as exc:  # an actor bug or a model failure: contain it, restart
                 self._contain(state, _describe(exc), exc)
+            if trio.current_time() - started >= self.config.healthy_reset_s:
+                backoff = self.config.restart_backoff_s  # it ran healthy for a while: a fresh fault, not a loop
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self.config.max_restart_backoff_s)
             self.log.info("supervisor.actor_restarted", target=state.key, restarts=state.restarts)
@@ -125,12 +153,29 @@ class Supervisor:
         self.log.error("supervisor.actor_died", target=state.key, error=error, failed_requests=failed,
                        restarts=state.restarts, exc_info=exc)
 
-    def health(self) -> Health:
+    def health(self, model: str | None = None, models: dict[str, str] | None = None) -> Health:
+        """Health of the runtime (`model` None: every actor) or of one model (its actors and the
+        shared intake). `models` gives the registry's state per model; a model whose actor is
+        down is reported "down"."""
         actors = {k: s.alive for k, s in self.states.items()}
+        states = dict(models or {})
+        for key, alive in actors.items():
+            owner = model_of(key)
+            if not alive and owner in states:
+                states[owner] = "down"
         if not self.ready:
-            return Health(False, actors, "starting")
-        dead = [k for k, alive in actors.items() if not alive]
+            return Health(False, actors, "starting", states, model)
+        if self.draining:
+            return Health(False, actors, "draining: the server is shutting down", states, model, retry_after_s=5.0)
+        relevant = [k for k in actors if model is None or model_of(k) in (None, model)]
+        dead = [k for k in relevant if not actors[k]]
         if dead:
             reasons = "; ".join(f"{k}: {self.states[k].last_error or 'stopped'}" for k in dead)
-            return Health(False, actors, f"actor(s) down: {reasons}")
-        return Health(True, actors)
+            return Health(False, actors, f"actor(s) down: {reasons}", states, model, retry_after_s=self._retry_after(dead))
+        if model is not None and states.get(model) == "failed":
+            return Health(False, actors, f"model {model!r} failed to load", states, model, retry_after_s=5.0)
+        return Health(True, actors, None, states, model)
+
+    def _retry_after(self, dead: list[str]) -> float:
+        """About when the restarts of `dead` will be done."""
+        return min(self.config.max_restart_backoff_s, max(1.0, self.config.restart_backoff_s * 2))
