@@ -63,3 +63,23 @@ async def test_runtime_events_are_catalogued_and_trace_shows_the_phases(tiny_con
     table = io.StringIO()
     trace(b.id.removeprefix("chatcmpl-"), io.StringIO(buf.getvalue()), out=table)
     assert "prefix_cache.lookup" in table.getvalue() and "offset ms" in table.getvalue()
+
+
+async def test_trace_by_client_label_shows_every_request_sent_with_it(tiny_config):
+    buf = io.StringIO()
+    configure_logging("json", "info", stream=buf)
+    try:
+        async with Runtime.open(tiny_config) as rt:
+            same = [await rt.chat_completion(ask(render_image(c, "circle", seed=3)), temperature=0, max_tokens=2,
+                                             client_request_id="retry-7") for c in ("red", "blue")]
+            other = await rt.chat_completion(ask(render_image("green", "circle", seed=3)), max_tokens=2,
+                                             client_request_id="someone")
+    finally:
+        configure_logging("json", "info")
+    out = io.StringIO()
+    assert trace("retry-7", io.StringIO(buf.getvalue()), as_json=True, out=out) == 0
+    rows = json.loads(out.getvalue())
+    ids = {r["details"].get("request_id") for r in rows} - {None}
+    assert ids == {c.id.removeprefix("chatcmpl-") for c in same}
+    assert other.id.removeprefix("chatcmpl-") not in ids
+    assert [r["event"] for r in rows].count("request.finished") == 2

@@ -154,8 +154,9 @@ class ModelRegistry:
                             hash_algorithm=self.config.prefix_cache.hash)
 
     def _make_room(self) -> None:
+        """Unloads idle models until the loads in progress (this one included) fit the limit."""
         limit = self.config.runtime.max_loaded_models
-        while limit and len(self.loaded) >= limit:
+        while limit and len(self.loaded) + len(self._loading) > limit:
             idle = [m for m in self.loaded.values() if m.idle]
             if not idle:
                 raise ServiceUnavailable(
