@@ -275,3 +275,17 @@ def test_processing_pixels_matches_a_qwen2_vl_processor(monkeypatch):
         assert processing_pixels(ip, width, height) == max(width * height, ip.temporal_patch_size * resized.pixels)
     with pytest.raises(UnprocessableImage, match="image processor cannot take"):  # its own 200:1 rule
         check_image_size(ip, 1, 300, LimitsConfig(max_image_aspect_ratio=1000), "img")
+
+
+def test_an_unknown_processor_layout_is_bounded_as_decoded():
+    from types import SimpleNamespace
+
+    from mmserve.runtime.image_budget import UnknownLayout, check_image_size, processing_pixels
+
+    odd = SimpleNamespace(do_resize=True, size={"tiles": 4})
+    with pytest.raises(UnknownLayout):
+        processing_pixels(odd, 100, 100)
+    limits = LimitsConfig(max_image_pixels=10_000)
+    check_image_size(odd, 100, 100, limits, "img")  # as decoded: 10,000 pixels, within the limit
+    with pytest.raises(UnprocessableImage):
+        check_image_size(odd, 101, 100, limits, "img")

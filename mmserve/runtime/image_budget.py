@@ -13,7 +13,8 @@ Covered: every size layout transformers' `PilBackend.resize` understands (CLIPIm
 CLIPImageProcessorPil among them: `{"shortest_edge"}`, `{"shortest_edge", "longest_edge"}`,
 `{"max_height", "max_width"}`, `{"height", "width"}`), then `center_crop` and `pad`; and Qwen2-VL
 style processors (`smart_resize` between min_pixels and max_pixels, then patches repeated
-`temporal_patch_size` times). Any other layout raises NotImplementedError rather than guess low.
+`temporal_patch_size` times). Any other layout raises UnknownLayout rather than guess low; then
+`check_image_size` bounds only the decoded image (and the registry warns when the model loads).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class Step:
     @property
     def pixels(self) -> int:
         return self.height * self.width * self.copies
+
+
+class UnknownLayout(TypeError):
+    """The processor's size settings are not a layout this module can bound (see `_resized_size`):
+    only the decoded image and the aspect ratio are checked for it (the registry warns at load)."""
 
 
 def processing_pixels(image_processor: Any, width: int, height: int) -> int:
@@ -80,6 +86,8 @@ def check_image_size(image_processor: Any, width: int, height: int, limits: Limi
     check_aspect_ratio(width, height, limits, where)
     try:
         steps = processing_steps(image_processor, width, height)
+    except UnknownLayout:
+        steps = (Step("decoded", height, width),)
     except ValueError as e:  # the processor's own refusal (Qwen2-VL: aspect ratio above 200)
         raise UnprocessableImage(f"{where}: the model's image processor cannot take this image: {e}",
                                  param=where, code="image_too_large") from None
@@ -124,7 +132,7 @@ def _resized_size(ip: Any, size: dict[str, int], height: int, width: int) -> tup
         return int(height * scale), int(width * scale)
     if size.get("height") and size.get("width"):
         return size["height"], size["width"]
-    raise NotImplementedError(
+    raise UnknownLayout(
         f"cannot bound the pixels of {type(ip).__name__} with size {size}: mmserve knows the "
         "shortest_edge / longest_edge / max_height+max_width / height+width layouts")
 
@@ -184,7 +192,7 @@ def _smart_resize() -> Callable[..., tuple[int, int]]:
             return importlib.import_module(module).smart_resize
         except (ImportError, AttributeError):
             continue
-    raise NotImplementedError("this transformers has no Qwen2-VL smart_resize to bound the pixels with")
+    raise UnknownLayout("this transformers has no Qwen2-VL smart_resize to bound the pixels with")
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from mmserve.errors import MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.llava import LlavaAdapter
 from mmserve.runtime.config import Config, ModelConfig
+from mmserve.runtime.image_budget import UnknownLayout, processing_pixels
 from mmserve.runtime.supervisor import Supervisor
 
 
@@ -131,6 +132,7 @@ class ModelRegistry:
                 self.supervisor.start(actor, model.actor_key(role))
             self.loaded[mc.name] = model
             self._failed.discard(mc.name)
+            self._warn_if_unbounded(adapter)
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
                           load_s=round(time.monotonic() - t0, 3))
         except MMServeError:
@@ -152,6 +154,12 @@ class ModelRegistry:
         rc = self.config.runtime
         return LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
                             hash_algorithm=self.config.prefix_cache.hash)
+
+    def _warn_if_unbounded(self, adapter: LlavaAdapter) -> None:
+        try:
+            processing_pixels(adapter.processor.image_processor, 1, 1)
+        except UnknownLayout as e:
+            self.log.warning("registry.image_budget_unknown", model=adapter.name, error=str(e))
 
     def _make_room(self) -> None:
         """Unloads idle models until the loads in progress (this one included) fit the limit."""
