@@ -1,7 +1,7 @@
 """mmserve: an actor-based, asynchronous serving runtime for multimodal language models."""
 
 from mmserve.errors import MMServeError
-from mmserve.runtime.config import Config, load_config
+from mmserve.config import Config, load_config
 from mmserve.runtime.runtime import ChatCompletion, ChatStream, Delta, Runtime
 from mmserve.runtime.sync import SyncRuntime
 

@@ -15,7 +15,7 @@ from mmserve.logs import configure_logging, get_logger
 
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import serve
-    from mmserve.runtime.config import load_config, with_models
+    from mmserve.config import load_config, with_models
 
     try:
         config = load_config(args.config)
@@ -70,7 +70,7 @@ async def _exit_deadline(seconds: float) -> None:
 
 def _exit_now_if_a_step_is_stuck(code: int) -> None:
     """Python joins the compute thread at exit; a step hung in it would hold the process."""
-    from mmserve.runtime import compute
+    from mmserve.actors import compute
 
     if compute.busy_for() > 0:
         _flush_and_exit(code)
@@ -100,6 +100,12 @@ def _make_model(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from mmserve.bench.extra import missing_message
+
+    problem = missing_message()  # before importing the benchmark: one line, not an ImportError
+    if problem:
+        print(f"mmserve bench: {problem}", file=sys.stderr)
+        return 2
     from mmserve.bench import PARAMS, run_bench
 
     params = PARAMS["quick" if args.quick else "full"]

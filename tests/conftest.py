@@ -7,7 +7,7 @@ import pytest
 
 from mmserve.logs import configure_logging
 from mmserve.models.demo import build_untrained, checkpoint_dir
-from mmserve.runtime.config import Config, ModelConfig
+from mmserve.config import Config, ModelConfig
 
 configure_logging("json", "info")
 

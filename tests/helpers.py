@@ -5,13 +5,14 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
 
 import trio
 import trio.testing
 
 from mmserve.api.server import serve
 from mmserve.models.demo import Q_COLOR, render_image
-from mmserve.runtime.config import Config
+from mmserve.config import Config
 
 
 def data_url(img, fmt: str = "PNG", **save) -> str:
@@ -96,3 +97,46 @@ class ServerThread:
     def run_sync(self, fn, *args):
         """Runs `fn` inside the server's trio thread (to inspect the runtime safely)."""
         return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+
+# -- waiting on conditions, not clocks ---------------------------------------------------------------
+
+
+async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.005, what: str = "") -> None:
+    """Waits until `predicate()` holds. For state the code under test offers no event for: polls it
+    (a short sleep per round keeps the loop free), bounded by `timeout` seconds — the bound only
+    turns a hang into a failure, it orders nothing. AssertionError naming `what` when it never holds."""
+    try:
+        with trio.fail_after(timeout):
+            while not predicate():
+                await trio.sleep(interval)
+    except trio.TooSlowError:
+        raise AssertionError(f"still not true after {timeout} s: {what or predicate}") from None
+
+
+def wait_until_sync(predicate, timeout: float = 5.0, interval: float = 0.005, what: str = "") -> None:
+    """`wait_until` for a test thread outside trio (e.g. watching a `ServerThread`)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"still not true after {timeout} s: {what or predicate}"
+        time.sleep(interval)
+
+
+def runtime_idle(rt) -> bool:
+    """No request left anywhere in `rt` (call from its trio thread): intake holds none, and in every
+    loaded model the encoder and generator hold none and the prefix-cache manager is parked on an
+    empty inbox (not inside a handler). A hung worker thread keeps its request held, so this turns
+    true only once every injected hang has run out. (No event marks this moment: poll it.)"""
+    def holds(actor) -> bool:
+        return bool(actor.in_flight) or actor.inbox.statistics().current_buffer_used > 0
+
+    if holds(rt.intake):
+        return False
+    for model in rt.registry.loaded.values():
+        if holds(model.encoder) or holds(model.generator) or model.generator.running:
+            return False
+        if model.prefix_cache is not None:
+            inbox = model.prefix_cache.inbox.statistics()
+            if inbox.current_buffer_used or not inbox.tasks_waiting_receive:
+                return False
+    return True

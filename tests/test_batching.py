@@ -28,17 +28,30 @@ async def sequential(config):
                 for p, n in zip(PROMPTS, LENGTHS)]
 
 
-async def concurrent(config, stagger=0.0, abort_index=None):
+async def concurrent(config, staggered=False, abort_index=None):
+    """All requests at once; or `staggered`: each arrives once the one before it has its first
+    token (so it joins a batch already decoding). `abort_index` leaves after its first token."""
     out = [None] * len(PROMPTS)
+    decoding = [trio.Event() for _ in PROMPTS]
     async with Runtime.open(config) as rt:
         async def one(i):
-            await trio.sleep(stagger * i)
+            if staggered and i:
+                await decoding[i - 1].wait()
             if i == abort_index:
                 async with rt.chat(PROMPTS[i], temperature=0, max_tokens=50, min_tokens=50) as s:
                     await s.__anext__()
+                    decoding[i].set()
                 return
-            c = await rt.chat_completion(PROMPTS[i], temperature=0, max_tokens=LENGTHS[i], min_tokens=LENGTHS[i])
-            out[i] = c.text
+            if not staggered:
+                c = await rt.chat_completion(PROMPTS[i], temperature=0, max_tokens=LENGTHS[i], min_tokens=LENGTHS[i])
+                out[i] = c.text
+                return
+            async with rt.chat(PROMPTS[i], temperature=0, max_tokens=LENGTHS[i], min_tokens=LENGTHS[i]) as s:
+                text = []
+                async for delta in s:
+                    decoding[i].set()
+                    text.append(delta.text)
+            out[i] = "".join(text)
 
         async with trio.open_nursery() as n:
             for i in range(len(PROMPTS)):
@@ -56,5 +69,5 @@ async def test_batched_outputs_equal_unbatched(tiny_config):
 
 async def test_staggered_arrivals_chunked_prefill_and_an_early_departure(tiny_config):
     expected = await sequential(cfg(tiny_config))
-    got, _ = await concurrent(cfg(tiny_config, prefill_chunk_tokens=7), stagger=0.01, abort_index=2)
+    got, _ = await concurrent(cfg(tiny_config, prefill_chunk_tokens=7), staggered=True, abort_index=2)
     assert [g for i, g in enumerate(got) if i != 2] == [e for i, e in enumerate(expected) if i != 2]

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 from mmserve.bench import PARAMS, run_bench
 from mmserve.bench import peer as peer_lib
@@ -10,7 +15,7 @@ from mmserve.bench.model import MARKER, ensure_model
 from mmserve.bench.params import ALL_SCENARIOS
 from mmserve.bench.servers import bench_config, config_toml
 from mmserve.cli import build_parser
-from mmserve.runtime.config import load_config
+from mmserve.config import load_config
 
 
 def test_bench_writes_reports_with_expected_keys(tmp_path, monkeypatch):
@@ -66,3 +71,53 @@ def test_cli_bench_arguments():
     args = build_parser().parse_args(["bench", "--quick"])
     assert args.quick and args.out == "bench-out" and args.model_dir is None
     assert args.func.__name__ == "_bench"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter: what it imports is not what this test run imported before."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_serving_never_imports_the_bench_extra(tmp_path):
+    """`mmserve serve`, the server and the runtime (and the CLI's parser, `bench --scenarios`
+    included) import no part of the `bench` extra. tqdm itself is loaded anyway, by torch.hub and
+    huggingface_hub (a dependency of transformers); what counts is that no mmserve module imports it."""
+    proc = _python("""
+        import builtins, json, sys
+        real, importers = builtins.__import__, []
+
+        def spy(name, globals=None, locals=None, fromlist=(), level=0):
+            if level == 0 and name.split(".")[0] in ("matplotlib", "tqdm", "httpx"):
+                importers.append(((globals or {}).get("__name__") or "?", name))
+            return real(name, globals, locals, fromlist, level)
+
+        builtins.__import__ = spy
+        import mmserve, mmserve.cli, mmserve.api.server, mmserve.runtime
+        mmserve.cli.build_parser().parse_args(["bench", "--quick", "--scenarios", "decode,peer"])
+        mmserve.cli.build_parser().parse_args(["serve", "--model", "demo"])
+        print(json.dumps({"matplotlib": "matplotlib" in sys.modules,
+                          "mmserve_importers": sorted({f"{w} -> {n}" for w, n in importers if w.startswith("mmserve")})}))
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == {"matplotlib": False, "mmserve_importers": []}
+
+
+def test_bench_without_its_extra_is_one_line(tmp_path):
+    proc = _python("""
+        import sys
+        sys.modules["matplotlib"] = None  # as if not installed: find_spec() finds nothing, import fails
+        import mmserve.cli  # without touching matplotlib (it would raise here)
+
+        sys.modules["tqdm"] = None  # loaded by torch and transformers already; hidden from now on
+        sys.exit(mmserve.cli.main(["bench", "--quick"]))
+    """, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "mmserve bench: needs the bench extra (matplotlib, tqdm, httpx; missing: matplotlib, tqdm): "
+        "pip install -e '.[bench]'"]
+    assert not (tmp_path / "bench-out").exists()  # stopped before building or running anything

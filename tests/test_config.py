@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.runtime.config import (
+from mmserve.config import (
     Config,
     EncoderCacheConfig,
     LimitsConfig,

@@ -6,7 +6,7 @@ import trio
 
 from mmserve import Runtime
 from mmserve.models.demo import render_image
-from mmserve.runtime import faults
+from mmserve.actors import faults
 from tests.helpers import ask, assert_nothing_held, colour_question
 
 PHASES = {

@@ -12,7 +12,7 @@ from mmserve.actors.intake import decode_images
 from mmserve.cache.keys import image_identity
 from mmserve.models.demo import render_image
 from mmserve.models.llava import LlavaAdapter
-from mmserve.runtime.request import parse_chat_request
+from mmserve.inputs.request import parse_chat_request
 from tests.helpers import ask, data_url
 
 

@@ -10,7 +10,7 @@ import trio
 from mmserve import Runtime
 from mmserve.errors import InternalError, ServiceUnavailable
 from mmserve.models.demo import render_image
-from mmserve.runtime import faults
+from mmserve.actors import faults
 from tests.helpers import ServerThread, ask, assert_nothing_held, colour_question
 
 LONG = dict(temperature=0, max_tokens=200, min_tokens=200)

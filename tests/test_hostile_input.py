@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from mmserve.errors import CLIP_CHARS, MMServeError
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.request import TextPart, parse_chat_request
+from mmserve.config import LimitsConfig
+from mmserve.inputs.request import TextPart, parse_chat_request
 from tests.helpers import ServerThread, colour_question, data_url
 
 OK_IMG = data_url(Image.new("RGB", (16, 16), "red"))

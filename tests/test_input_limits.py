@@ -11,9 +11,9 @@ import transformers
 from PIL import Image
 
 from mmserve.errors import CLIP_CHARS, UnprocessableImage, clip
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.image_budget import check_image_size, processing_pixels, processing_steps
-from mmserve.runtime.images import open_image
+from mmserve.config import LimitsConfig
+from mmserve.inputs.image_budget import check_image_size, processing_pixels, processing_steps
+from mmserve.inputs.images import open_image
 from tests.helpers import ServerThread, colour_question, data_url
 
 ADMIN = {"Authorization": "Bearer root"}
@@ -280,7 +280,7 @@ def test_processing_pixels_matches_a_qwen2_vl_processor(monkeypatch):
 def test_an_unknown_processor_layout_is_bounded_as_decoded():
     from types import SimpleNamespace
 
-    from mmserve.runtime.image_budget import UnknownLayout, check_image_size, processing_pixels
+    from mmserve.inputs.image_budget import UnknownLayout, check_image_size, processing_pixels
 
     odd = SimpleNamespace(do_resize=True, size={"tiles": 4})
     with pytest.raises(UnknownLayout):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from mmserve import Runtime, SyncRuntime
 from mmserve.errors import InternalError, MMServeError
 from mmserve.models.demo import COLORS, Q_COLOR, SHAPES, render_image
-from mmserve.runtime import faults
+from mmserve.actors import faults
 from tests.helpers import ServerThread, ask, assert_nothing_held, colour_question
 from tests.test_e2e_openai import HealthProbe
 
@@ -137,7 +137,7 @@ def test_http_500_names_the_request_and_the_stream_ends_cleanly(tiny_config):
 
 
 async def test_a_model_that_fails_to_load_is_a_503_for_that_model_only(demo_config, tmp_path):
-    from mmserve.runtime.config import ModelConfig
+    from mmserve.config import ModelConfig
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -15,18 +15,17 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from mmserve.cache import keys as K
+from mmserve.cache import signature as MS
 from mmserve.cache.keys import (
     HASH_ALGORITHMS,
     UncacheableInput,
-    WeightFile,
     image_identity,
     key_prefix,
     mm_hash_audio,
     mm_hash_image,
-    model_sig,
-    model_sig_from_parts,
     processor_digest,
 )
+from mmserve.cache.signature import WeightFile, model_sig, model_sig_from_parts
 
 SIG = 0x0102030405060708
 PROC = 0x1112131415161718
@@ -44,7 +43,7 @@ def lp(text: str) -> bytes:
 
 
 def test_layout_versions_and_seeds_are_pinned():
-    assert (K.MODEL_SIG_LAYOUT_VERSION, K.PROCESSOR_DIGEST_LAYOUT_VERSION, K.MM_HASH_LAYOUT_VERSION) == (2, 1, 1)
+    assert (MS.MODEL_SIG_LAYOUT_VERSION, K.PROCESSOR_DIGEST_LAYOUT_VERSION, K.MM_HASH_LAYOUT_VERSION) == (2, 1, 1)
     assert K.SEED_MODEL_SIG == 0x4D4D534552560001
     assert K.SEED_PROCESSOR == 0x4D4D534552560002
     assert K.SEED_MM_HASH == 0x4D4D534552560003
@@ -73,7 +72,7 @@ def test_model_sig_layout_bytes_are_pinned():
             struct.pack("<B", 16) + bytes(range(16)),
         ]
     )
-    layout = K.model_sig_layout("demo", config, weights, **RUN)
+    layout = MS.model_sig_layout("demo", config, weights, **RUN)
     assert layout == expected
     assert layout.hex() == (
         "02000400000064656d6f07000000666c6f617433320300000063707502000000"
@@ -159,7 +158,7 @@ def _sha256_key(seed: int, *parts: bytes) -> bytes:
 
 
 def test_hash_algorithms_match_the_config():
-    from mmserve.runtime.config import HASH_ALGORITHMS as CONFIG_HASH_ALGORITHMS
+    from mmserve.config import HASH_ALGORITHMS as CONFIG_HASH_ALGORITHMS
 
     assert HASH_ALGORITHMS == CONFIG_HASH_ALGORITHMS == ("xxh3_128", "sha256")
 
@@ -472,8 +471,8 @@ def test_read_safetensors_header(tmp_path):
     path = _write_model(tmp_path / "m") / "model.safetensors"
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    assert K.read_safetensors_header(path) == raw[8 : 8 + length]
-    assert json.loads(K.read_safetensors_header(path))["w"]["shape"] == [8, 4]
+    assert MS.read_safetensors_header(path) == raw[8 : 8 + length]
+    assert json.loads(MS.read_safetensors_header(path))["w"]["shape"] == [8, 4]
 
 
 def test_key_prefix():

@@ -13,11 +13,10 @@ import trio.testing
 
 from mmserve import Runtime
 from mmserve.errors import MMServeError, ServiceUnavailable
-from mmserve.models.demo import render_image
-from mmserve.runtime import faults
-from mmserve.runtime.config import ModelConfig, SupervisorConfig
+from mmserve.actors import faults
+from mmserve.config import ModelConfig, SupervisorConfig
 from mmserve.runtime.supervisor import Supervisor
-from tests.helpers import ask, assert_nothing_held, colour_question
+from tests.helpers import assert_nothing_held, colour_question
 
 LONG = dict(temperature=0, max_tokens=400, min_tokens=400)
 

@@ -88,3 +88,27 @@ async def test_aborted_requests_leave_no_pins(tiny_config):
         store = rt.registry.require("tiny").prefix_cache.store
         store.check_invariants()
         assert not store.owners()
+
+
+async def test_an_image_the_hit_covers_is_never_encoded(demo_config):
+    """The lookup comes before the encoder: a later turn whose cached prefix holds every placeholder
+    of its image asks the encoder for nothing (no encoder-cache lookup either), and answers the same
+    as with the caches off."""
+    img = render_image("purple", "triangle", seed=8)
+    first = ask(img, Q_COLOR)
+    answers = {}
+    for on in (True, False):
+        config = demo_config.replace(prefix_cache={"block_size": 8, "enabled": on}, encoder_cache={"enabled": on})
+        async with Runtime.open(config) as rt:
+            a = await rt.chat_completion(first, temperature=0, max_tokens=4)
+            follow = [*first, {"role": "assistant", "content": a.text}, {"role": "user", "content": Q_SHAPE}]
+            enc = rt.registry.require("demo").encoder
+            before = enc.stats()
+            b = await rt.chat_completion(follow, temperature=0, max_tokens=4)
+            after = enc.stats()
+            answers[on] = (a.text, b.text)
+            if on:
+                assert b.usage.cached_tokens > 0
+                assert after["items_encoded"] == before["items_encoded"]
+                assert after["hits"] + after["misses"] == before["hits"] + before["misses"], "encoder was asked"
+    assert answers[True] == answers[False]

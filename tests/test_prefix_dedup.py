@@ -11,11 +11,12 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mmserve import Runtime
-from mmserve.actors.prefix_cache import Abort, Commit, Lookup, LookupResult, PrefixCacheManager
+from mmserve.actors.messages import Abort, Commit, Lookup, LookupResult
+from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.cache.inflight import InFlightBlocks
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from mmserve.models.llava import LlavaAdapter
-from mmserve.runtime.config import PrefixCacheConfig
+from mmserve.config import PrefixCacheConfig
 from tests.helpers import ask
 
 HASHES = tuple(bytes([i]) * 16 for i in range(4))

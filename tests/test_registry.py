@@ -6,7 +6,7 @@ import trio
 from mmserve import Runtime
 from mmserve.errors import ModelNotFound
 from mmserve.models.demo import build_untrained
-from mmserve.runtime.config import Config, ModelConfig
+from mmserve.config import Config, ModelConfig
 from tests.helpers import colour_question
 
 

@@ -8,11 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.errors import BadRequest, Forbidden
-from mmserve.runtime.config import Config, LimitsConfig, RemoteImagesConfig, config_from_dict
-from mmserve.runtime.remote_images import (
-    _NUMERIC_LABEL,
-    address_refusal, check_url, host_allowed, normalize_host, normalize_host_pattern)
-from mmserve.runtime.request import parse_chat_request
+from mmserve.config import Config, LimitsConfig, RemoteImagesConfig, config_from_dict
+from mmserve.config.hosts import _NUMERIC_LABEL, host_allowed, normalize_host, normalize_host_pattern
+from mmserve.inputs.remote_images import address_refusal, check_url
+from mmserve.inputs.request import parse_chat_request
 
 NON_PUBLIC_V4 = ["0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
                  "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",

@@ -16,9 +16,9 @@ import trio
 
 from mmserve.errors import Forbidden, MMServeError, PayloadTooLarge, UnprocessableImage
 from mmserve.models.demo import Q_COLOR, render_image
-from mmserve.runtime import remote_images
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.remote_images import fetch_image, fetch_images
+from mmserve.inputs import remote_images
+from mmserve.config import LimitsConfig
+from mmserve.inputs.remote_images import fetch_image, fetch_images
 from tests.helpers import ServerThread, colour_question, data_url
 from tests.image_server import ImageServer, png_bytes
 

@@ -4,8 +4,8 @@ import pytest
 from PIL import Image
 
 from mmserve.errors import BadRequest, UnsupportedParameter
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.request import ImagePart, TextPart, parse_chat_request
+from mmserve.config import LimitsConfig
+from mmserve.inputs.request import ImagePart, TextPart, parse_chat_request
 
 LIMITS = LimitsConfig()
 USER = [{"role": "user", "content": "hi"}]

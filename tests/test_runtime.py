@@ -1,19 +1,15 @@
 """The embedded Runtime API: streaming, completion, cancellation, crash containment."""
 
+from functools import partial
+
 import pytest
 import trio
 
 from mmserve import Runtime, SyncRuntime
 from mmserve.errors import BadRequest, ModelNotFound, ServiceUnavailable
-from tests.helpers import colour_question
+from tests.helpers import colour_question, wait_until
 
 LONG = dict(max_tokens=400, min_tokens=400, temperature=0)
-
-
-async def wait_until(predicate, timeout=5.0):
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.005)
 
 
 @pytest.fixture
@@ -67,9 +63,11 @@ async def test_closing_a_stream_aborts_the_sequence(rt):
 
 
 async def test_cancelled_non_streaming_caller_aborts_the_sequence(rt):
-    with trio.move_on_after(0.3) as scope:
-        await rt.chat_completion(colour_question("red"), **LONG)
-    assert scope.cancelled_caught
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(rt.chat_completion, colour_question("red"), **LONG))
+        await wait_until(lambda: generator(rt).batch.members, what="the request is decoding")
+        nursery.cancel_scope.cancel()  # the caller goes away mid-decode
+    assert nursery.cancel_scope.cancelled_caught
     await wait_until(lambda: not generator(rt).running)
 
 

@@ -13,7 +13,7 @@ from mmserve import Runtime
 from mmserve.errors import InternalError, ServiceUnavailable
 from mmserve.models.demo import (
     BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image)
-from mmserve.runtime import faults
+from mmserve.actors import faults
 from tests.helpers import ask, assert_nothing_held, image_part
 
 IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[(i // 3) % 3], seed=700 + i) for i in range(8)]

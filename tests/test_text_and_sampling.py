@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mmserve.runtime.sampling import SamplingParams, make_generator, sample
-from mmserve.runtime.stops import TextAssembler
+from mmserve.generation.sampling import SamplingParams, make_generator, sample
+from mmserve.generation.stops import TextAssembler
 
 VOCAB = {1: "hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\n"}
 

@@ -15,14 +15,14 @@ import torch
 import trio
 
 from mmserve.actors.base import Actor
-from mmserve.actors.messages import ClearCache, EncodeJob, GenerateJob
+from mmserve.actors.messages import Abort, ClearCache, EncodeJob, GenerateJob
 from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import key_prefix
 from mmserve.errors import MMServeError
 from mmserve.models.llava import LlavaAdapter, PromptInputs
-from mmserve.runtime.config import EncoderCacheConfig
-from mmserve.runtime import compute
-from mmserve.runtime.faults import fault
+from mmserve.config import EncoderCacheConfig
+from mmserve.actors import compute
+from mmserve.actors.faults import fault
 
 
 @dataclass
@@ -45,10 +45,12 @@ class Encoder(Actor):
     name = "encoder"
 
     def __init__(self, adapter: LlavaAdapter, generator_inbox: trio.MemorySendChannel,
-                 config: EncoderCacheConfig = EncoderCacheConfig()):
+                 config: EncoderCacheConfig = EncoderCacheConfig(), prefix_cache: trio.MemorySendChannel | None = None):
         super().__init__(model=adapter.name)
         self.adapter = adapter
         self.generator_inbox = generator_inbox
+        self.prefix_cache = prefix_cache
+        self._registered: set[str] = set()  # in-flight requests the prefix cache holds something for
         self.config = config
         self.cache = EncoderCache(config.budget_bytes, config.max_entries or None) if config.enabled else None
         self.encoder_runs = 0
@@ -97,19 +99,30 @@ class Encoder(Actor):
         else:
             raise TypeError(f"encoder: unexpected message {msg!r}")
 
+    @staticmethod
+    def _wanted(job: EncodeJob) -> list[tuple[int, bytes | None]]:
+        """(index, content key) of each image the job needs: those its cached prefix does not
+        cover whole (a covered image's KV is in the hit; its encoder output is never needed)."""
+        keys = job.prompt.mm_keys or (None,) * len(job.prompt.spans)
+        return [(i, key) for i, (span, key) in enumerate(zip(job.prompt.spans, keys))
+                if not job.prefix.covers(span.start, span.length)]
+
     def _uncached(self, jobs: list[EncodeJob]) -> bool:
         """Whether some image needs the tower (only then is waiting for company worth it)."""
         return any(key is None or self.cache is None or not self.cache.contains(key)
-                   for j in jobs for key in (j.prompt.mm_keys or (None,) * len(j.prompt.spans)))
+                   for j in jobs for _, key in self._wanted(j))
 
-    @staticmethod
-    def _images(jobs: list[EncodeJob]) -> int:
-        return sum(len(j.prompt.spans) for j in jobs)
+    def _images(self, jobs: list[EncodeJob]) -> int:
+        return sum(len(self._wanted(j)) for j in jobs)
 
     async def _serve(self, jobs: list[EncodeJob]) -> None:
+        for j in [j for j in jobs if not j.handle.active]:
+            self._settle_prefix(j)
         jobs = [j for j in jobs if j.handle.active]
         for j in jobs:
             self.in_flight[j.handle.request_id] = j.handle
+            if j.prefix.registered:
+                self._registered.add(j.handle.request_id)
         try:
             found: dict[tuple[int, int], torch.Tensor] = {}
             failed: dict[int, Exception] = {}  # id(job) → why one of its images could not be encoded
@@ -119,10 +132,14 @@ class Encoder(Actor):
             for j in jobs:
                 if id(j) in failed:
                     self.fail_request(j.handle, failed[id(j)], "encoder")
+                    self._settle_prefix(j)
                     continue
-                embeds = tuple(found[id(j), i] for i in range(len(j.prompt.spans)))
+                embeds = tuple(found.get((id(j), i)) for i in range(len(j.prompt.spans)))
                 if j.handle.active:
-                    self.generator_inbox.send_nowait(GenerateJob(j.handle, j.prompt, embeds))
+                    self.generator_inbox.send_nowait(GenerateJob(j.handle, j.prompt, embeds, j.prefix))
+                else:
+                    self._settle_prefix(j)
+                self._registered.discard(j.handle.request_id)
                 self.in_flight.pop(j.handle.request_id, None)  # on a crash they stay, for the supervisor
         finally:
             for j in jobs:
@@ -132,7 +149,7 @@ class Encoder(Actor):
         misses: dict[bytes | int, Miss] = {}
         for j in jobs:
             rid = j.handle.request_id
-            for i, key in enumerate(j.prompt.mm_keys or (None,) * len(j.prompt.spans)):
+            for i, key in self._wanted(j):
                 if key is not None and key in misses:  # the same new item twice in this batch
                     misses[key].waiters.append((j, i))
                     continue
@@ -176,7 +193,7 @@ class Encoder(Actor):
 
     def _pixels(self, misses: list[Miss]) -> list[torch.Tensor | Exception]:
         # torch ops here stay on this thread: a second OpenMP team would make libgomp stop
-        # spin-waiting in the compute thread's team too (runtime/compute.py)
+        # spin-waiting in the compute thread's team too (actors/compute.py)
         torch.set_num_threads(1)
         out: list[torch.Tensor | Exception] = []
         for m in misses:
@@ -233,7 +250,17 @@ class Encoder(Actor):
         if self.cache is not None:
             self.cache.release_owner(request_id)
 
+    def _settle_prefix(self, job: EncodeJob) -> None:
+        """The request ends here: what the prefix cache holds for it (pins, registrations) is released."""
+        self._registered.discard(job.handle.request_id)
+        if job.prefix.registered and self.prefix_cache is not None:
+            self.prefix_cache.send_nowait(Abort(job.handle.request_id))
+
     def fail_in_flight(self, error: MMServeError) -> int:
+        if self.prefix_cache is not None:
+            for rid in self._registered:
+                self.prefix_cache.send_nowait(Abort(rid))
+        self._registered.clear()
         owners = list(self.in_flight)
         failed = super().fail_in_flight(error)
         for rid in owners:

@@ -15,17 +15,19 @@ from typing import AsyncContextManager, Callable
 import trio
 
 from mmserve.actors.base import Actor
-from mmserve.actors.messages import EncodeJob, RequestHandle, Submit
+from mmserve.actors.messages import (
+    Abort, EncodeJob, Lookup, PrefixFailed, PrefixState, RequestHandle, Route, Submit)
+from mmserve.cache.block_hash import prompt_block_hashes
 from mmserve.cache.keys import image_identity
-from mmserve.runtime.faults import fault
-from mmserve.errors import BadRequest, MMServeError, UnprocessableImage
-from mmserve import errors
-from mmserve.runtime.image_budget import check_image_size
+from mmserve.actors.faults import fault
+from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip
+
+from mmserve.inputs.image_budget import check_image_size
 from mmserve.models.llava import LlavaAdapter, PromptInputs
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.images import data_url_bytes, open_image
-from mmserve.runtime.remote_images import fetch_images, is_remote_url
-from mmserve.runtime.request import ChatRequest, ImagePart, TextPart
+from mmserve.config import LimitsConfig, PrefixCacheConfig
+from mmserve.inputs.images import data_url_bytes, open_image
+from mmserve.inputs.remote_images import fetch_images, is_remote_url
+from mmserve.inputs.request import ChatRequest, ImagePart, TextPart
 
 
 def hf_messages(request: ChatRequest) -> list[dict]:
@@ -101,23 +103,31 @@ def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: L
     return prompt
 
 
-def _decode_and_prepare(adapter: LlavaAdapter, request: ChatRequest, limits: LimitsConfig, fetched, label):
-    """Both steps in one worker-thread hop: (prompt, decode seconds, preprocess seconds)."""
+def _decode_and_prepare(adapter: LlavaAdapter, request: ChatRequest, limits: LimitsConfig, fetched, label,
+                        block_size: int | None):
+    """Every step in one worker-thread hop: (prompt, its full-block hashes, decode seconds,
+    preprocess seconds). No block hashes without a prefix cache (`block_size` None)."""
     t0 = time.monotonic()
     images = decode_images(request, limits, fetched, label)
     t1 = time.monotonic()
     prompt = prepare(adapter, request, images, limits, label)
-    return prompt, t1 - t0, time.monotonic() - t1
+    hashes = () if block_size is None else tuple(prompt_block_hashes(
+        adapter.model_sig, request.cache_salt, prompt.input_ids, prompt.spans, prompt.mm_keys, block_size,
+        algorithm=adapter.hash_algorithm))
+    return prompt, hashes, t1 - t0, time.monotonic() - t1
 
 
 class Intake(Actor):
     name = "intake"
     ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
 
-    def __init__(self, limits: LimitsConfig,
-                 route: Callable[[str], AsyncContextManager[tuple[LlavaAdapter, trio.MemorySendChannel]]]):
+    def __init__(self, limits: LimitsConfig, route: Callable[[str], AsyncContextManager[Route]],
+                 prefix: PrefixCacheConfig = PrefixCacheConfig(), lookup_timeout_s: float = 2.0):
         super().__init__()
         self.limits = limits
+        self.block_size = prefix.block_size if prefix.enabled else None
+        # a lookup may wait for another request's commit; past this the request computes alone
+        self.lookup_wait_s = prefix.inflight_wait_s + lookup_timeout_s
         self.route = route
         self.limiter = trio.CapacityLimiter(limits.decode_concurrency)
         self.fetch_limiter = trio.CapacityLimiter(limits.remote_image_policy.fetch_concurrency)
@@ -173,7 +183,7 @@ class Intake(Actor):
             handle.fail(e)
         except ValueError as e:  # the processor's own complaints about the input (e.g. placeholder counts)
             log.info("intake.rejected", status=400, error=str(e))
-            handle.fail(BadRequest(f"the request could not be prepared: {errors.clip(str(e))}"))
+            handle.fail(BadRequest(f"the request could not be prepared: {clip(str(e))}"))
         except Exception as e:
             self.fail_request(handle, e, "intake")
         # not in a `finally`: a request caught in a crash stays in in_flight, for the supervisor to fail
@@ -187,19 +197,19 @@ class Intake(Actor):
         async with AsyncExitStack() as stack:
             self.awaiting_load += 1  # a load runs on its own clock (load_timeout_s): not a stall
             try:
-                adapter, encoder_inbox = await stack.enter_async_context(self.route(handle.model))
+                route = await stack.enter_async_context(self.route(handle.model))
             finally:
                 self.awaiting_load -= 1
             self.progressed()
-            await self._prepare_routed(handle, log, adapter, encoder_inbox)
+            await self._prepare_routed(handle, log, route)
 
     def has_work(self) -> bool:
         """Work that can stall: a request waiting for its model to load is not intake's work."""
         pending = len(self.in_flight) - self.awaiting_load
         return pending > 0 or self.inbox.statistics().current_buffer_used > 0
 
-    async def _prepare_routed(self, handle: RequestHandle, log, adapter: LlavaAdapter, encoder_inbox) -> None:
-        request = handle.request
+    async def _prepare_routed(self, handle: RequestHandle, log, route: Route) -> None:
+        request, adapter = handle.request, route.adapter
         t_fetch = time.monotonic()
         fetched = None
         urls = remote_urls(request)
@@ -209,12 +219,40 @@ class Intake(Actor):
                 log.info("intake.aborted")
                 return
         t0 = time.monotonic()
-        prompt, decode_s, preprocess_s = await trio.to_thread.run_sync(
+        prompt, hashes, decode_s, preprocess_s = await trio.to_thread.run_sync(
             _decode_and_prepare, adapter, request, self.limits, fetched, handle.client_request_id,
+            self.block_size if route.prefix_cache is not None else None,
             limiter=self.limiter, abandon_on_cancel=True)  # a hung decode never holds a shutdown
         log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(prompt.spans),
                  queued_s=round(t_fetch - handle.created, 6), fetch_s=round(t0 - t_fetch, 6),
                  decode_s=round(decode_s, 6), preprocess_s=round(preprocess_s, 6),
                  hop_s=round(time.monotonic() - t0 - decode_s - preprocess_s, 6))
+        prefix = await self._look_up(handle, route.prefix_cache, hashes, len(prompt.input_ids))
+        if prefix is None:
+            return
         if handle.active:
-            encoder_inbox.send_nowait(EncodeJob(handle, prompt))
+            route.encoder.send_nowait(EncodeJob(handle, prompt, prefix))
+        elif prefix.registered:
+            route.prefix_cache.send_nowait(Abort(handle.request_id))
+
+    async def _look_up(self, handle: RequestHandle, prefix_cache, hashes: tuple[bytes, ...],
+                       prompt_len: int) -> PrefixState | None:
+        """The prompt's cached prefix, pinned for the request — asked before any image is encoded,
+        so an image the hit covers is never encoded. Capped so one prompt token is prefilled.
+        None when the lookup failed (the request is failed here)."""
+        wanted = hashes[: (prompt_len - 1) // self.block_size] if self.block_size else ()
+        if prefix_cache is None or not wanted:
+            return PrefixState(hashes)
+        reply, answers = trio.open_memory_channel(1)
+        prefix_cache.send_nowait(Lookup(handle.request_id, wanted, reply, handle.client_request_id))
+        # closed on the way out: an answer that comes too late finds no one, and the manager
+        # releases what it pinned for it at once
+        with answers, trio.move_on_after(self.lookup_wait_s):
+            answer = await answers.receive()
+            if isinstance(answer, PrefixFailed):
+                self.fail_request(handle, answer.error, answer.stage)
+                return None
+            return PrefixState(hashes, answer.blocks * self.block_size, answer.source, registered=True)
+        # pins granted after this are the request's still: its final Commit or Abort releases them
+        self.log.warning("intake.lookup_timeout", request_id=handle.request_id, waited_s=self.lookup_wait_s)
+        return PrefixState(hashes, registered=True)

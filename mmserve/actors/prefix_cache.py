@@ -1,7 +1,7 @@
 """PrefixCacheManager actor: owns the KV block store and its tensor pool; the only code that
 assigns a slot.
 
-The generator asks it to `lookup` a prompt's block hashes: the hit prefix is pinned and returned
+The intake asks it to `lookup` a prompt's block hashes, before any image is encoded: the hit prefix is pinned and returned
 as a read-only view of its slots. A miss registers the request as computing the missing blocks
 (the "prepare" ticket: nothing is consumed); a later request missing the same blocks waits for
 that one's commit instead of computing them again (in-flight dedup), and computes them itself if
@@ -12,116 +12,19 @@ DESIGN.md F2 and F3.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import trio
-from transformers.cache_utils import Cache
 
 from mmserve.actors.base import Actor
-from mmserve.actors.messages import ClearCache
-from mmserve.cache.block_hash import MMPlaceholder, block_hashes, root_hash
+from mmserve.actors.messages import KV, Abort, ClearCache, Commit, Lookup, LookupResult, PinnedBlocks, PrefixFailed
 from mmserve.cache.keys import key_prefix
 from mmserve.cache.inflight import InFlightBlocks
 from mmserve.cache.kv_store import KVBlockStore
 from mmserve.errors import MMServeError
-from mmserve.models.llava import ImageSpan, LlavaAdapter
-from mmserve.runtime.config import PrefixCacheConfig
-from mmserve.runtime import compute
-from mmserve.runtime.faults import afault, fault
-
-KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), [1, heads, seq, dim]
-
-
-@dataclass(frozen=True)
-class PinnedBlocks:
-    """A read-only view of a hit's slots in the pool, valid while the requester holds the pins the
-    lookup took: a pinned slot is never evicted, so never rewritten (after a crash the manager
-    starts a new pool; the old one is no longer written either). The requester copies from it in
-    its own worker thread, into its own cache, saving a hop through this actor."""
-
-    keys: torch.Tensor    # the pool, [layers, heads, slots, block, dim]
-    values: torch.Tensor
-    slots: tuple[int, ...]
-
-    def copy_into(self, cache: Cache) -> int:
-        """Writes the blocks, in order, into the first columns of an empty buffered batch-1
-        cache; returns the number of tokens."""
-        _, heads, _, block, dim = self.keys.shape
-        n = len(self.slots) * block
-        idx = torch.tensor(self.slots, device=self.keys.device)
-        for i, layer in enumerate(cache.layers):
-            layer.reserve(n)
-            torch.index_select(self.keys[i], 1, idx, out=layer.kbuf[0, :, :n].view(heads, len(self.slots), block, dim))
-            torch.index_select(self.values[i], 1, idx, out=layer.vbuf[0, :, :n].view(heads, len(self.slots), block, dim))
-            layer.set_length(n)
-        return n
-
-
-@dataclass(frozen=True)
-class PrefixFailed:
-    """Manager → the request's `reply` channel: handling its lookup or commit raised. The manager
-    has released the request's pins and forgotten it; the request fails alone."""
-
-    request_id: str
-    stage: str
-    error: Exception
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """Manager → the lookup's `reply` channel: the request's cached prefix, pinned for it."""
-
-    request_id: str
-    blocks: int
-    source: PinnedBlocks | None = None
-    waited_s: float = 0.0  # time parked on another request computing the same blocks
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """The longest cached prefix of `hashes`. On a miss the request is registered as computing the
-    missing blocks; when another request already is, the lookup waits for its commit (in-flight
-    dedup)."""
-
-    request_id: str
-    hashes: tuple[bytes, ...]
-    reply: trio.MemorySendChannel  # never closed by the manager (it may be the requester's inbox)
-    label: str | None = None  # the client's request id: for logs and fault hooks, never a key
-
-
-@dataclass(frozen=True)
-class Commit:
-    """The sequence's full blocks, to be cached. Sent once the prompt is prefilled (so requests
-    waiting on those blocks proceed at once) and again at the end with the generated tokens'."""
-
-    request_id: str
-    hashes: tuple[bytes, ...]
-    kv: KV
-    reply: trio.MemorySendChannel | None = None  # where a failure is reported (PrefixFailed)
-    label: str | None = None
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-def sequence_block_hashes(model_sig: int, cache_salt: str | None, token_ids, spans: tuple[ImageSpan, ...],
-                          mm_keys: tuple[bytes | None, ...], block_size: int,
-                          algorithm: str = "xxh3_128") -> list[bytes]:
-    """Chained hashes of the full blocks of `token_ids`. Blocks from the first one that reaches an
-    uncacheable image (no content key) on are never keyed: their content cannot be identified."""
-    limit = len(token_ids)
-    items = []
-    for span, key in sorted(zip(spans, mm_keys or (None,) * len(spans)), key=lambda p: p[0].start):
-        if key is None:
-            limit = min(limit, span.start)
-            break
-        items.append(MMPlaceholder(key, span.start, span.length))
-    root = root_hash(model_sig, cache_salt, algorithm=algorithm)
-    hashes = block_hashes(root, list(token_ids), items, block_size, algorithm=algorithm)
-    return hashes[: limit // block_size]
+from mmserve.models.llava import LlavaAdapter
+from mmserve.config import PrefixCacheConfig
+from mmserve.actors import compute
+from mmserve.actors.faults import afault, fault
 
 
 class PrefixCacheManager(Actor):

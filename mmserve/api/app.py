@@ -7,7 +7,6 @@ import json
 import re
 import time
 
-import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -16,7 +15,8 @@ from mmserve.errors import (BadRequest, Forbidden, InternalError, MMServeError, 
                             UnsupportedMediaType, clip)
 from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, new_request_id, usage_json
+from mmserve.api import openai_json
+from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, complete, new_request_id
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # application/json, or a structured-syntax JSON type such as application/merge-patch+json (RFC 6839)
@@ -130,7 +130,7 @@ def create_app(rt: Runtime) -> QuartTrio:
         stream = rt.chat(request=parsed, client_request_id=g.client_request_id)
         g.request_id = stream.request_id
         if not parsed.stream:
-            return await _complete(stream)
+            return openai_json.completion(await complete(stream))
         try:
             first = await stream.__anext__()
         except BaseException:
@@ -230,51 +230,30 @@ def _json(raw: bytes, content_type: str | None):
         raise BadRequest(f"the request body has a number that cannot be parsed: {e}") from None
 
 
-async def _complete(stream: ChatStream) -> dict:
-    async with stream:
-        parts, final = [], None
-        async for delta in stream:
-            parts.append(delta.text)
-            final = delta
-    return {
-        "id": stream.id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": stream.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                     "finish_reason": final.finish_reason, "logprobs": None}],
-        "usage": usage_json(final.usage),
-    }
-
-
-def _chunk(stream: ChatStream, created: int, delta: dict, finish_reason: str | None) -> str:
-    body = {"id": stream.id, "object": "chat.completion.chunk", "created": created, "model": stream.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
-    return f"data: {json.dumps(body)}\n\n"
-
-
 async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
     created = int(time.time())
+
+    def event(delta: dict, finish_reason: str | None = None) -> str:
+        return openai_json.sse(openai_json.chunk(stream.id, stream.model, created, delta, finish_reason))
+
     try:
-        yield _chunk(stream, created, {"role": "assistant", "content": ""}, None)
+        yield event({"role": "assistant", "content": ""})
         delta = first
         while True:
             if delta.text:
-                yield _chunk(stream, created, {"content": delta.text}, None)
+                yield event({"content": delta.text})
             if delta.finish_reason is not None:
-                yield _chunk(stream, created, {}, delta.finish_reason)
+                yield event({}, delta.finish_reason)
                 if include_usage:
-                    body = {"id": stream.id, "object": "chat.completion.chunk", "created": created,
-                            "model": stream.model, "choices": [], "usage": usage_json(delta.usage)}
-                    yield f"data: {json.dumps(body)}\n\n"
+                    yield openai_json.sse(openai_json.usage_chunk(stream.id, stream.model, created, delta.usage))
                 break
             try:
                 delta = await stream.__anext__()
             except StopAsyncIteration:
                 break
             except MMServeError as err:
-                yield f"data: {json.dumps(err.to_body())}\n\n"
+                yield openai_json.sse(err.to_body())
                 break
-        yield "data: [DONE]\n\n"
+        yield openai_json.DONE
     finally:
         stream.close()

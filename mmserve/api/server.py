@@ -8,7 +8,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from mmserve.api.app import create_app
 from mmserve.logs import get_logger
-from mmserve.runtime.config import Config
+from mmserve.config import Config
 from mmserve.runtime.runtime import Runtime
 
 

@@ -12,8 +12,8 @@ from transformers.generation.streamers import BaseStreamer
 from mmserve.actors.intake import decode_images, hf_messages
 from mmserve.bench.common import MODEL, Timing, median
 from mmserve.models.llava import LlavaAdapter
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.request import parse_chat_request
+from mmserve.config import LimitsConfig
+from mmserve.inputs.request import parse_chat_request
 
 
 def hf_prompt(messages: list[dict]) -> tuple[list[dict], list]:

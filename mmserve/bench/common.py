@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from time import perf_counter
 
 from mmserve.models.demo import COLORS, SHAPES, render_image
-from mmserve.runtime.runtime import usage_json
+from mmserve.api.openai_json import usage as usage_json
 
 MODEL = "bench"  # the name the benchmark serves its model under
 SYSTEM_A = "You are a helpful assistant. Look at the image carefully and answer the question."

@@ -14,7 +14,7 @@ from mmserve.bench.baselines import HFBaseline, SuffixPrefill
 from mmserve.bench.common import QUESTIONS, Timing, ask, timed_chat, timed_http
 from mmserve.bench.params import BenchParams
 from mmserve.bench.servers import bench_config, http_server, open_runtime
-from mmserve.runtime import compute
+from mmserve.actors import compute
 
 WARMUP_IMAGE = 10_000  # image indices from here on are for warm-ups only
 

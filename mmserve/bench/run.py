@@ -20,7 +20,7 @@ from mmserve.bench.params import BenchParams
 from mmserve.bench.report import write_reports
 from mmserve.bench.scenarios import SCENARIOS
 from mmserve.logs import configure_logging
-from mmserve.runtime import compute
+from mmserve.actors import compute
 
 
 def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None = None,

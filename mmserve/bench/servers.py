@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import trio
 
 from mmserve.bench.common import MODEL
-from mmserve.runtime.config import Config, ModelConfig
+from mmserve.config import Config, ModelConfig
 from mmserve.runtime.runtime import Runtime
 
 START_TIMEOUT_S = 180
@@ -130,7 +130,7 @@ def main(config_path: str) -> None:
 
     from mmserve.api.server import serve
     from mmserve.logs import configure_logging
-    from mmserve.runtime.config import load_config
+    from mmserve.config import load_config
 
     config = load_config(config_path)
     configure_logging(config.logging.format, config.logging.level)

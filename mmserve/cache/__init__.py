@@ -1,7 +1,7 @@
 """Pure, synchronous cache data structures: content keys, block hashes, the encoder-output cache.
 
 No trio, no logging, no I/O beyond reading model files for the model signature. Callers (the
-actors) log what these functions return.
+actors) log what these functions return. May import only the bottom layer (config, errors, logs).
 """
 
 from mmserve.cache.block_hash import (
@@ -29,20 +29,17 @@ from mmserve.cache.keys import (
     CACHEABLE_IMAGE_MODES,
     HASH_ALGORITHMS,
     MM_HASH_LAYOUT_VERSION,
-    MODEL_SIG_LAYOUT_VERSION,
     PROCESSOR_DIGEST_LAYOUT_VERSION,
     UncacheableInput,
-    WeightFile,
     check_hash_algorithm,
     image_identity,
     key_prefix,
     mm_hash_audio,
     mm_hash_image,
-    model_sig,
-    model_sig_from_parts,
     processor_digest,
 )
 from mmserve.cache.kv_store import KVBlockStore, KVSlotInfo, KVStoreStats
+from mmserve.cache.signature import MODEL_SIG_LAYOUT_VERSION, WeightFile, model_sig, model_sig_from_parts
 
 __all__ = [
     "ALREADY_PRESENT",

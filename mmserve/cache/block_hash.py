@@ -20,7 +20,7 @@ algorithm is the one its root was made with.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -161,3 +161,21 @@ def _token_array(token_ids: Sequence[int]) -> np.ndarray:
     if int(arr.min()) < 0 or int(arr.max()) >= 2**32:
         raise ValueError("token ids must be in [0, 2**32)")
     return arr.astype("<u4", copy=False)
+
+
+def prompt_block_hashes(model_sig: int, cache_salt: str | None, token_ids: Sequence[int], spans: Sequence[Any],
+                        mm_keys: Sequence[bytes | None], block_size: int, *, algorithm: str = "xxh3_128") -> list[bytes]:
+    """Chained hashes of the full blocks of a prompt (and, later, of its answer) whose images sit at
+    `spans` (objects with `.start` and `.length`) with content keys `mm_keys`. Blocks from the first
+    one that reaches an uncacheable image (no content key) on are never keyed: their content
+    cannot be identified."""
+    limit = len(token_ids)
+    items = []
+    for span, key in sorted(zip(spans, mm_keys or (None,) * len(spans)), key=lambda p: p[0].start):
+        if key is None:
+            limit = min(limit, span.start)
+            break
+        items.append(MMPlaceholder(key, span.start, span.length))
+    root = root_hash(model_sig, cache_salt, algorithm=algorithm)
+    hashes = block_hashes(root, list(token_ids), items, block_size, algorithm=algorithm)
+    return hashes[: limit // block_size]

@@ -20,7 +20,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCach
 from transformers.cache_utils import Cache
 from transformers.utils import logging as hf_logging
 
-from mmserve.cache.keys import check_hash_algorithm, model_sig, processor_digest
+from mmserve.cache.keys import check_hash_algorithm, processor_digest
+from mmserve.cache.signature import model_sig
 from mmserve.models.kv_buffer import buffered_cache, empty_buffers
 
 hf_logging.disable_progress_bar()

@@ -18,8 +18,8 @@ from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.errors import MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.llava import LlavaAdapter
-from mmserve.runtime.config import Config, ModelConfig
-from mmserve.runtime.image_budget import UnknownLayout, processing_pixels
+from mmserve.config import Config, ModelConfig
+from mmserve.inputs.image_budget import UnknownLayout, processing_pixels
 from mmserve.runtime.supervisor import Supervisor
 
 
@@ -149,7 +149,7 @@ class ModelRegistry:
 
     def _read_checkpoint(self, mc: ModelConfig) -> LlavaAdapter:
         # one torch thread: a second OpenMP team in the process would make libgomp stop
-        # spin-waiting in the compute thread's team for good (runtime/compute.py)
+        # spin-waiting in the compute thread's team for good (actors/compute.py)
         torch.set_num_threads(1)
         rc = self.config.runtime
         return LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,

@@ -11,176 +11,30 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
-import weakref
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import torch
 import trio
 
+from mmserve.actors import compute
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
+from mmserve.actors.messages import ClearCache, RequestHandle, Route, Submit
 from mmserve.actors.prefix_cache import PrefixCacheManager
-from mmserve.actors.messages import ClearCache, ErrorEvent, FinishEvent, RequestHandle, Submit, TokenEvent, Usage
-from mmserve.errors import BadRequest, DeadlineExceeded, MMServeError, Overloaded, ServiceUnavailable
+from mmserve.config import Config, load_config
+from mmserve.errors import BadRequest, Overloaded, ServiceUnavailable
+from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.logs import get_logger
-from mmserve.runtime import compute
-from mmserve.runtime.config import Config, load_config
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
-from mmserve.runtime.request import ChatRequest, parse_chat_request
+from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
 from mmserve.runtime.supervisor import Health, Supervisor
 
+__all__ = ["CACHE_KINDS", "ChatCompletion", "ChatStream", "Delta", "Runtime", "complete", "new_request_id"]
+
 CACHE_KINDS = ("encoder", "prefix")  # what POST /admin/cache/reset can empty
-
-
-@dataclass(frozen=True)
-class Delta:
-    """One piece of a streamed answer. The last delta has a finish_reason and the usage. The first
-    delta comes with the first generated token, so its text may be empty (whitespace held back)."""
-
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class ChatCompletion:
-    id: str
-    model: str
-    created: int
-    text: str
-    finish_reason: str
-    usage: Usage
-
-    def to_openai(self) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": self.text},
-                "finish_reason": self.finish_reason,
-                "logprobs": None,
-            }],
-            "usage": usage_json(self.usage),
-        }
-
-
-def usage_json(u: Usage) -> dict:
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
-def new_request_id() -> str:
-    """A fresh internal request id: 128 random bits, never reused and never taken from a client."""
-    return uuid.uuid4().hex
-
-
-class ChatStream:
-    """The deltas of one request. Closing it (or leaving `async with`, or dropping it) aborts the
-    request at the generator's next step; it never blocks."""
-
-    def __init__(self, handle: RequestHandle, receive: trio.MemoryReceiveChannel, timeout_s: float = math.inf):
-        self.handle = handle
-        self.deadline = handle.created + timeout_s
-        self._receive = receive
-        self._done = False
-        self._first_token_at: float | None = None
-        self._finalizer = weakref.finalize(self, _abandon, handle, receive)
-
-    @property
-    def request_id(self) -> str:
-        """The internal id this runtime gave the request (unique; the client's id is only a label)."""
-        return self.handle.request_id
-
-    @property
-    def client_request_id(self) -> str | None:
-        return self.handle.client_request_id
-
-    @property
-    def id(self) -> str:
-        return "chatcmpl-" + self.handle.request_id
-
-    @property
-    def model(self) -> str:
-        return self.handle.model
-
-    def __aiter__(self) -> "ChatStream":
-        return self
-
-    async def __anext__(self) -> Delta:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            with trio.fail_at(trio.current_time() + max(0.0, self.deadline - time.monotonic())):
-                event = await self._receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            self._done = True
-            raise StopAsyncIteration from None
-        except trio.TooSlowError:
-            self._done = True
-            self.handle.abort()
-            error = DeadlineExceeded("the request did not finish within this server's deadline "
-                                     f"({self.deadline - self.handle.created:g} s) and was aborted")
-            self._log_end(error.status, error=error.message)
-            raise error from None
-        if isinstance(event, TokenEvent):
-            if self._first_token_at is None:
-                self._first_token_at = time.monotonic()
-            return Delta(event.text)
-        self._done = True
-        if isinstance(event, ErrorEvent):
-            self._log_end(event.error.status, error=event.error.message)
-            raise event.error
-        if isinstance(event, FinishEvent):
-            self._log_end(200, finish_reason=event.finish_reason, usage=event.usage)
-            return Delta("", event.finish_reason, event.usage)
-        raise TypeError(f"unexpected event {event!r}")
-
-    def _log_end(self, status: int, finish_reason: str | None = None, usage: Usage | None = None, **extra) -> None:
-        """The one canonical line per finished request."""
-        h, now = self.handle, time.monotonic()
-        _log.info("request.finished", request_id=h.request_id, client_request_id=h.client_request_id,
-                  model=h.model, status=status,
-                  finish_reason=finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
-                  cached_tokens=usage.cached_tokens if usage else None,
-                  completion_tokens=usage.completion_tokens if usage else None,
-                  images=h.request.num_images, encoder_hits=h.encoder_hits,
-                  ttft_s=round(self._first_token_at - h.created, 6) if self._first_token_at else None,
-                  total_s=round(now - h.created, 6), **extra)
-
-    def close(self) -> None:
-        if not self._done and self._finalizer.alive:
-            self._done = True
-            self._log_end(499, finish_reason="client_gone")
-        self._finalizer()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    async def __aenter__(self) -> "ChatStream":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
-
-_log = get_logger("runtime")
-
-
-def _abandon(handle: RequestHandle, receive: trio.MemoryReceiveChannel) -> None:
-    handle.abort()
-    receive.close()
 
 
 class Runtime:
@@ -191,7 +45,7 @@ class Runtime:
         self.supervisor = Supervisor(config.supervisor)
         self.supervisor.attach(nursery)
         self.registry = ModelRegistry(config, self.supervisor, self._build_actors)
-        self.intake = Intake(config.limits, self._route)
+        self.intake = Intake(config.limits, self._route, config.prefix_cache, config.generator.lookup_timeout_s)
         self.log = get_logger("runtime")
         self.started = time.time()
         self._live: set[RequestHandle] = set()
@@ -265,7 +119,8 @@ class Runtime:
             actors["prefix_cache"] = PrefixCacheManager(adapter, pc)
         generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc,
                               self.config.generator, self.metrics)
-        actors["encoder"] = Encoder(adapter, generator.inbox_send, self.config.encoder_cache)
+        actors["encoder"] = Encoder(adapter, generator.inbox_send, self.config.encoder_cache,
+                                    actors["prefix_cache"].inbox_send if pc.enabled else None)
         actors["generator"] = generator
         return actors
 
@@ -273,7 +128,8 @@ class Runtime:
     async def _route(self, model: str):
         """The model's adapter and encoder inbox, the model leased (not unloaded) meanwhile."""
         async with self.registry.lease(model) as loaded:
-            yield loaded.adapter, loaded.encoder.inbox_send
+            prefix = loaded.prefix_cache
+            yield Route(loaded.adapter, loaded.encoder.inbox_send, prefix.inbox_send if prefix else None)
 
     # -- the API -------------------------------------------------------------------------
 
@@ -391,12 +247,4 @@ class Runtime:
 
     async def chat_completion(self, messages: list | None = None, **kwargs: Any) -> ChatCompletion:
         """Runs a chat request to the end and returns the whole answer."""
-        async with self.chat(messages, **kwargs) as stream:
-            parts, final = [], None
-            async for delta in stream:
-                parts.append(delta.text)
-                final = delta
-        if final is None or final.finish_reason is None:
-            raise MMServeError("the request ended without a result")
-        return ChatCompletion(stream.id, stream.model, int(time.time()), "".join(parts),
-                              final.finish_reason, final.usage)
+        return await complete(self.chat(messages, **kwargs))

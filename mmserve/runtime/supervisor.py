@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from mmserve.runtime import compute
+from mmserve.actors import compute
 from mmserve.actors.base import Actor
 from mmserve.errors import ServiceUnavailable
 from mmserve.logs import get_logger
-from mmserve.runtime.config import SupervisorConfig
+from mmserve.config import SupervisorConfig
 
 
 @dataclass

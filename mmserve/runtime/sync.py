@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import trio
 
-from mmserve.runtime.config import Config
+from mmserve.config import Config
 from mmserve.runtime.runtime import ChatCompletion, Delta, Runtime
 
 

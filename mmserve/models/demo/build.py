@@ -21,9 +21,11 @@ from transformers import (
     LlavaProcessor,
 )
 
+from mmserve.config import DEMO_CHECKPOINTS
+
 from .tokenizer import CHAT_TEMPLATE, build_tokenizer
 
-CHECKPOINTS_ROOT = pathlib.Path(__file__).resolve().parent / "checkpoints"
+CHECKPOINTS_ROOT = DEMO_CHECKPOINTS  # one place knows where the committed checkpoints live
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import re
 import ssl
 import time
 import typing
@@ -60,18 +59,15 @@ from urllib.parse import urljoin, urlsplit
 import httpcore
 import trio
 
+from mmserve.config.hosts import IPAddress, host_allowed, normalize_host
 from mmserve.errors import BadRequest, Forbidden, MMServeError, PayloadTooLarge, UnprocessableImage
 
 if typing.TYPE_CHECKING:
-    from mmserve.runtime.config import LimitsConfig, RemoteImagesConfig
+    from mmserve.config import LimitsConfig, RemoteImagesConfig
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 MAX_URL_CHARS = 8192
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
-_HOSTNAME = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*$")
-_NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 # IANA special-purpose ranges that are not globally reachable, spelled out because `is_global` /
 # `is_private` differ between Python patch releases; an address is public only if both agree.
@@ -83,63 +79,6 @@ _NON_PUBLIC = tuple(ipaddress.ip_network(n) for n in (
     "3fff::/20", "5f00::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
 ))
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
-
-
-# -- host names and the allow-list ------------------------------------------------------------
-
-
-def _ip(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
-def normalize_host(host: str) -> str | None:
-    """The canonical form of a host name or IP literal (lower case, no trailing dot, IPv6 without
-    brackets, compressed), or None when it is neither."""
-    host = host.strip().lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if "%" in host:  # IPv6 zone ids: never from a remote caller
-        return None
-    ip = _ip(host)
-    if ip is not None:
-        return str(ip)
-    if host.endswith("."):
-        host = host[:-1]
-    if not host.isascii() or len(host) > 253 or not _HOSTNAME.match(host):
-        return None
-    if _NUMERIC_LABEL.match(host.rsplit(".", 1)[-1]):
-        return None  # a resolver would read it as an IPv4 address (127.1, 2130706433, 0x7f.1)
-    return host
-
-
-def normalize_host_pattern(pattern: str, where: str = "remote_image_hosts") -> str:
-    """An allow-list entry, normalized; raises ValueError naming a bad one."""
-    p = pattern.strip().lower()
-    if p.startswith("*."):
-        rest = normalize_host(p[2:])
-        if rest is not None and _ip(rest) is None and "." in rest:
-            return "*." + rest
-    elif "*" not in p:
-        host = normalize_host(p)
-        if host is not None:
-            return host
-    raise ValueError(
-        f"{where}: entry {pattern!r} is not a host name, an IP literal or a '*.domain' "
-        "pattern (no scheme, port or path; a wildcard needs at least two labels after '*.')")
-
-
-def host_allowed(host: str, patterns: typing.Iterable[str]) -> bool:
-    """Whether a normalized host matches an (already normalized) allow-list."""
-    for p in patterns:
-        if p.startswith("*."):
-            if host.endswith(p[1:]) and _ip(host) is None:
-                return True
-        elif host == p:
-            return True
-    return False
 
 
 # -- addresses ------------------------------------------------------------------------------

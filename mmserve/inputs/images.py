@@ -3,7 +3,7 @@
 Refuses what could hurt the server before paying for it: oversized payloads, formats not
 allowed, decompression bombs and extreme strips — the pixel count and the aspect ratio are checked
 from the header before decoding. (What the model's image processor would make of the image is
-checked by `mmserve.runtime.image_budget.check_image_size`.)
+checked by `mmserve.inputs.image_budget.check_image_size`.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import warnings
 from PIL import Image, UnidentifiedImageError
 
 from mmserve.errors import PayloadTooLarge, UnprocessableImage
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.image_budget import check_aspect_ratio
+from mmserve.config import LimitsConfig
+from mmserve.inputs.image_budget import check_aspect_ratio
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
 

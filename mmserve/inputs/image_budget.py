@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import UnprocessableImage
-from mmserve.runtime.config import LimitsConfig
+from mmserve.config import LimitsConfig
 
 # transformers' Qwen2-VL defaults, for a processor that leaves min/max pixels unset
 _QWEN_MIN_PIXELS = 56 * 56

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import CLIP_CHARS, BadRequest, UnsupportedParameter, clip
-from mmserve.runtime.config import LimitsConfig
-from mmserve.runtime.remote_images import check_url, is_remote_url
-from mmserve.runtime.sampling import SamplingParams
+from mmserve.config import LimitsConfig
+from mmserve.inputs.remote_images import check_url, is_remote_url
+from mmserve.generation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

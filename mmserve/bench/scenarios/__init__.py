@@ -1,0 +1,20 @@
+"""The benchmark scenarios, one module per group: throughput (1 decode, 2 concurrency), caching
+(3 multi-turn, 4 same image, 5 three images) and versus_peer (6 peer). Each compares side by side,
+in the same run, and returns a dict of measurements plus `rows` for the report's summary table.
+Times are seconds unless named `_ms`. Part of the `mmserve bench` entry point: it may import
+anything in mmserve."""
+
+from mmserve.bench.scenarios.caching import multiturn, same_image, three_images
+from mmserve.bench.scenarios.throughput import concurrency, decode
+from mmserve.bench.scenarios.versus_peer import peer
+
+SCENARIOS = {
+    "decode": decode,
+    "concurrency": concurrency,
+    "multiturn": multiturn,
+    "same_image": same_image,
+    "three_images": three_images,
+    "peer": peer,
+}
+
+__all__ = ["SCENARIOS", "concurrency", "decode", "multiturn", "peer", "same_image", "three_images"]

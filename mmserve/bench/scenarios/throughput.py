@@ -1,0 +1,135 @@
+"""Scenarios 1 and 2, throughput: single-stream decode, and the concurrency sweep (with /health
+polled under load), against HF `generate`. The concurrency level runner is scenario 6's too."""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+import trio
+
+from mmserve.bench.common import Timing, ask, median, percentile, ratio, row, timed_chat, timed_http
+from mmserve.bench.context import Bench
+from mmserve.bench.scenarios.shared import at_least, brief
+
+
+# -- 1. single-stream decode -------------------------------------------------------------------
+
+async def decode(b: Bench) -> dict:
+    """Decode tokens/s of one stream: mmserve embedded and over HTTP vs HF `generate`, interleaved."""
+    p = b.params
+    msgs = ask(b.new_image())
+    runs: dict[str, list[Timing]] = {"embedded": [], "http": [], "hf": []}
+    async with b.runtime(prefix=False, encoder=False) as rt, b.server(prefix=False, encoder=False) as (client, url):
+        for r in range(p.decode_repeats):
+            b.note(f"repeat {r + 1}/{p.decode_repeats}")
+            runs["embedded"].append(await timed_chat(rt, msgs, p.decode_tokens))
+            runs["http"].append(await timed_http(client, url, msgs, p.decode_tokens))
+            runs["hf"].append(await b.hf_generate(msgs, p.decode_tokens))
+    tps = {k: median(t.decode_tps for t in v) for k, v in runs.items()}
+    ttft = {k: median(t.ttft for t in v) for k, v in runs.items()}
+    rows = [row("1 decode", f"decode tok/s, {k}", tps[k], "tok/s", tps["hf"], ratio(tps[k], tps["hf"]),
+                "≥ 0.95", at_least(ratio(tps[k], tps["hf"]), 0.95)) for k in ("embedded", "http")]
+    rows += [row("1 decode", f"TTFT, {k}", ttft[k], "s", ttft["hf"], ratio(ttft[k], ttft["hf"]))
+             for k in ("embedded", "http")]
+    return {"new_tokens": p.decode_tokens, "decode_tps": tps, "ttft_s": ttft,
+            "ratio_vs_hf": {k: ratio(tps[k], tps["hf"]) for k in ("embedded", "http")},
+            "runs": {k: [brief(t) for t in v] for k, v in runs.items()}, "rows": rows}
+
+
+# -- 2. concurrency sweep ------------------------------------------------------------------------
+
+async def _poll_health(client, url: str, interval: float, out: list) -> None:
+    while True:
+        t0 = perf_counter()
+        r = await client.get(url + "/health")
+        out.append((perf_counter() - t0, r.status_code))
+        await trio.sleep(interval)
+
+
+def _health_stats(polls: list[tuple[float, int]]) -> dict:
+    lat = [p[0] * 1000 for p in polls]
+    return {"polls": len(lat), "non_200": sum(p[1] != 200 for p in polls), "p50_ms": percentile(lat, 50),
+            "p99_ms": percentile(lat, 99), "max_ms": max(lat, default=None)}
+
+
+async def _idle_health(client, url: str, interval: float, seconds: float = 1.0) -> dict:
+    """/health latency with nothing else running: what the busy numbers compare with."""
+    polls: list[tuple[float, int]] = []
+    with trio.move_on_after(seconds):
+        await _poll_health(client, url, interval, polls)
+    return _health_stats(polls)
+
+
+async def run_level(client, url: str, requests: list, tokens: int, poll: float | None, send=timed_http) -> dict:
+    """All `requests` at once over HTTP, each by `send(client, url, messages, tokens)`; with `poll`,
+    /health is polled every `poll` s meanwhile."""
+    results: list[Timing | None] = [None] * len(requests)
+    health: list[tuple[float, int]] = []
+
+    async def one(i: int) -> None:
+        results[i] = await send(client, url, requests[i], tokens)
+
+    start = perf_counter()
+    async with trio.open_nursery() as outer:
+        if poll:
+            outer.start_soon(_poll_health, client, url, poll, health)
+        async with trio.open_nursery() as nursery:
+            for i in range(len(requests)):
+                nursery.start_soon(one, i)
+        wall = perf_counter() - start
+        outer.cancel_scope.cancel()
+    ttfts = [t.ttft for t in results]
+    out = {"concurrency": len(requests), "wall_s": wall, "agg_tps": sum(t.completion_tokens for t in results) / wall,
+           "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
+    if poll:
+        out["health"] = _health_stats(health)
+    return out
+
+
+def _hf_sequential(runs: list[Timing]) -> dict:
+    """HF `generate` of the same requests one after another: aggregate tokens/s, and the TTFTs the
+    requests would see if they all arrived at once and were served in order."""
+    busy, ttfts = 0.0, []
+    for t in runs:
+        ttfts.append(busy + t.ttft)
+        busy += t.total
+    return {"agg_tps": sum(t.completion_tokens for t in runs) / busy,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)}
+
+
+async def concurrency(b: Bench) -> dict:
+    """N concurrent streaming HTTP requests (distinct images; caches off) vs sequential HF generate."""
+    p, top = b.params, max(b.params.levels)
+    requests = [ask(b.new_image()) for _ in range(top)]
+    b.note(f"HF generate x{top}")
+    hf_runs = [await b.hf_generate(m, p.sweep_tokens) for m in requests]
+    levels = []
+    async with b.server(prefix=False, encoder=False) as (client, url):
+        idle = await _idle_health(client, url, p.health_interval_s)
+        for n in p.levels:
+            b.note(f"{n} concurrent")
+            lv = await run_level(client, url, requests[:n], p.sweep_tokens, p.health_interval_s if n == top else None)
+            lv["hf"] = _hf_sequential(hf_runs[:n])
+            lv["ratio_agg_tps"] = ratio(lv["agg_tps"], lv["hf"]["agg_tps"])
+            levels.append(lv)
+    return {"new_tokens": p.sweep_tokens, "levels": levels, "health_idle": idle, "health_during": top,
+            "rows": _concurrency_rows(levels, idle)}
+
+
+def _concurrency_rows(levels: list[dict], idle: dict) -> list[dict]:
+    rows = []
+    for lv in levels:
+        n, hf = lv["concurrency"], lv["hf"]
+        target = ("≥ 2.5", at_least(lv["ratio_agg_tps"], 2.5)) if n == 8 else (None, None)
+        rows.append(row("2 concurrency", f"aggregate tok/s @{n} vs sequential HF", lv["agg_tps"], "tok/s",
+                        hf["agg_tps"], lv["ratio_agg_tps"], *target))
+        rows.append(row("2 concurrency", f"TTFT p50 @{n}", lv["ttft_p50_s"], "s", hf["ttft_p50_s"],
+                        ratio(lv["ttft_p50_s"], hf["ttft_p50_s"])))
+        rows.append(row("2 concurrency", f"TTFT p99 @{n}", lv["ttft_p99_s"], "s", hf["ttft_p99_s"],
+                        ratio(lv["ttft_p99_s"], hf["ttft_p99_s"])))
+        if "health" in lv:
+            h = lv["health"]
+            rows.append(row("2 concurrency", f"/health p99 @{n} vs idle ({h['polls']} polls, max {h['max_ms']:.0f} ms, "
+                            f"{h['non_200']} not 200)", h["p99_ms"], "ms", idle["p99_ms"], ratio(h["p99_ms"], idle["p99_ms"]),
+                            "< 50 ms", bool(h["p99_ms"] < 50 and not h["non_200"])))
+    return rows
