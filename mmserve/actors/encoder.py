@@ -127,6 +127,7 @@ class Encoder(Actor):
             found: dict[tuple[int, int], torch.Tensor] = {}
             failed: dict[int, Exception] = {}  # id(job) → why one of its images could not be encoded
             misses = self._look_up(jobs, found)
+            from_cache = set(found)  # before the misses are encoded into `found` too
             if misses:
                 await self._encode(misses, found, failed)
             for j in jobs:
@@ -136,7 +137,8 @@ class Encoder(Actor):
                     continue
                 embeds = tuple(found.get((id(j), i)) for i in range(len(j.prompt.spans)))
                 if j.handle.active:
-                    self.generator_inbox.send_nowait(GenerateJob(j.handle, j.prompt, embeds, j.prefix))
+                    hits = sum(1 for i, _ in self._wanted(j) if (id(j), i) in from_cache)
+                    self.generator_inbox.send_nowait(GenerateJob(j.handle, j.prompt, embeds, j.prefix, hits))
                 else:
                     self._settle_prefix(j)
                 self._registered.discard(j.handle.request_id)
@@ -157,7 +159,6 @@ class Encoder(Actor):
                 if cached is not None:
                     self.cache.pin(key, rid)
                     found[id(j), i] = cached
-                    j.handle.encoder_hits += 1
                     self.log.info("encoder_cache.hit", request_id=rid, key=key_prefix(key),
                                   bytes=tensor_nbytes(cached))
                     continue

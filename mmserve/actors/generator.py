@@ -285,7 +285,7 @@ class Generator(Actor):
         if tail:
             handle.emit(TokenEvent(tail, -1))
         usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
-        handle.emit(FinishEvent(reason, usage))
+        handle.emit(FinishEvent(reason, usage, seq.job.encoder_hits))
         self._end(seq, SeqState.FINISHED)
         ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created
         if self.metrics is not None:

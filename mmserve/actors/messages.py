@@ -43,6 +43,7 @@ class TokenEvent:
 class FinishEvent:
     finish_reason: str
     usage: Usage
+    encoder_hits: int = 0  # images served from the encoder cache (for the canonical log line)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,6 @@ class RequestHandle:
     created: float = field(default_factory=time.monotonic)
     aborted: bool = False
     finished: bool = False
-    encoder_hits: int = 0  # written by the encoder; read for the request's canonical log line
 
     @property
     def model(self) -> str:
@@ -237,3 +237,4 @@ class GenerateJob:
     prompt: PromptInputs
     image_embeds: tuple[torch.Tensor | None, ...] = ()
     prefix: PrefixState = field(default_factory=PrefixState)
+    encoder_hits: int = 0  # of its images, how many came from the encoder cache

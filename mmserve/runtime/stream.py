@@ -97,7 +97,7 @@ class ChatStream:
             self._log_end(event.error.status, error=event.error.message)
             raise event.error
         if isinstance(event, FinishEvent):
-            self._log_end(200, finish_reason=event.finish_reason, usage=event.usage)
+            self._log_end(200, finish_reason=event.finish_reason, usage=event.usage, encoder_hits=event.encoder_hits)
             return Delta("", event.finish_reason, event.usage)
         raise TypeError(f"unexpected event {event!r}")
 
@@ -109,7 +109,7 @@ class ChatStream:
                   finish_reason=finish_reason, prompt_tokens=usage.prompt_tokens if usage else None,
                   cached_tokens=usage.cached_tokens if usage else None,
                   completion_tokens=usage.completion_tokens if usage else None,
-                  images=h.request.num_images, encoder_hits=h.encoder_hits,
+                  images=h.request.num_images,
                   ttft_s=round(self._first_token_at - h.created, 6) if self._first_token_at else None,
                   total_s=round(now - h.created, 6), **extra)
 
