@@ -299,3 +299,19 @@ def test_token_id_sequences_of_any_int_type_agree(alg):
     assert hashes_of(alg, tuple(tokens), [], 2) == expected
     assert hashes_of(alg, np.array(tokens, dtype=np.int64), [], 2) == expected
     assert hashes_of(alg, np.array(tokens, dtype=np.uint32), [], 2) == expected
+
+
+@given(st.lists(st.integers(0, 500), min_size=0, max_size=80), st.integers(1, 9), st.integers(0, 80),
+       st.booleans())
+def test_a_chain_extended_block_by_block_equals_hashing_all_at_once(tokens, block, cut, uncacheable):
+    from types import SimpleNamespace
+
+    from mmserve.cache.block_hash import BlockChain, prompt_block_hashes
+
+    spans = [SimpleNamespace(start=2, length=5), SimpleNamespace(start=12, length=3)]
+    keys = [bytes(range(16)), None if uncacheable else bytes(range(1, 17))]
+    whole = prompt_block_hashes(7, "salt", tokens, spans, keys, block)
+    chain = BlockChain.of(7, "salt", len(tokens), spans, keys, block)
+    assert chain.extend(chain.extend((), tokens[:cut]), tokens) == whole
+    if uncacheable:
+        assert len(whole) <= 12 // block

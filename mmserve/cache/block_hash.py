@@ -163,19 +163,56 @@ def _token_array(token_ids: Sequence[int]) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
+@dataclass(frozen=True)
+class BlockChain:
+    """How one request's blocks are keyed: the root over `model_sig` and its `cache_salt`, its
+    images' placeholders, and where keying stops — at the first block that reaches an uncacheable
+    image (no content key): content that cannot be identified is never keyed. Extends a chain of
+    block hashes as the request's tokens grow (its answer's blocks chain on from its prompt's)."""
+
+    root: bytes
+    items: tuple[MMPlaceholder, ...]
+    block_size: int
+    limit_blocks: int
+    algorithm: str = "xxh3_128"
+
+    @classmethod
+    def of(cls, model_sig: int, cache_salt: str | None, num_tokens: int, spans: Sequence[Any],
+           mm_keys: Sequence[bytes | None], block_size: int, *, algorithm: str = "xxh3_128") -> "BlockChain":
+        """`spans` are objects with `.start` and `.length`, one per image, with content keys `mm_keys`."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        limit = None
+        items = []
+        for span, key in sorted(zip(spans, mm_keys or (None,) * len(spans)), key=lambda p: p[0].start):
+            if key is None:
+                limit = span.start // block_size
+                break
+            items.append(MMPlaceholder(key, span.start, span.length))
+        validate_placeholders(items, max([num_tokens, *(it.end for it in items)]))
+        root = root_hash(model_sig, cache_salt, algorithm=algorithm)
+        return cls(root, tuple(items), block_size, limit if limit is not None else 1 << 62, algorithm)
+
+    def extend(self, known: Sequence[bytes], token_ids: Sequence[int]) -> list[bytes]:
+        """`known` (the hashes of the first blocks) extended over every further full block of
+        `token_ids`, up to the limit."""
+        out = list(known)
+        tokens = _token_array(token_ids)
+        full = min(len(tokens) // self.block_size, self.limit_blocks)
+        prev = out[-1] if out else self.root
+        for i in range(len(out), full):
+            start, end = i * self.block_size, (i + 1) * self.block_size
+            prev = hash_block(prev, tokens[start:end], block_extra_keys(self.items, start, end),
+                              algorithm=self.algorithm)
+            out.append(prev)
+        return out
+
+
 def prompt_block_hashes(model_sig: int, cache_salt: str | None, token_ids: Sequence[int], spans: Sequence[Any],
                         mm_keys: Sequence[bytes | None], block_size: int, *, algorithm: str = "xxh3_128") -> list[bytes]:
     """Chained hashes of the full blocks of a prompt (and, later, of its answer) whose images sit at
     `spans` (objects with `.start` and `.length`) with content keys `mm_keys`. Blocks from the first
     one that reaches an uncacheable image (no content key) on are never keyed: their content
     cannot be identified."""
-    limit = len(token_ids)
-    items = []
-    for span, key in sorted(zip(spans, mm_keys or (None,) * len(spans)), key=lambda p: p[0].start):
-        if key is None:
-            limit = min(limit, span.start)
-            break
-        items.append(MMPlaceholder(key, span.start, span.length))
-    root = root_hash(model_sig, cache_salt, algorithm=algorithm)
-    hashes = block_hashes(root, list(token_ids), items, block_size, algorithm=algorithm)
-    return hashes[: limit // block_size]
+    chain = BlockChain.of(model_sig, cache_salt, len(token_ids), spans, mm_keys, block_size, algorithm=algorithm)
+    return chain.extend((), token_ids)
