@@ -1,0 +1,430 @@
+"""The KV arena's bookkeeping: blocks, block tables, refcounts, hash → block, LRU (DESIGN.md F3, F5).
+
+Pure and synchronous: no trio, no logging, no tensors. The PrefixCacheManager actor owns one
+`BlockArena` per model; the Generator holds the arena's memory (the KV tensors, indexed by block id)
+and writes KV only into blocks this bookkeeping granted. Every change is reported by return value
+so the actor can log it.
+
+The model: one arena of `num_blocks` fixed-size blocks holds the KV of running sequences **and**
+of cached prefixes alike; there is no separate cache pool and nothing is ever copied between the
+two. Each owner (a request's internal id, any hashable) has a block table, the ordered list of
+block ids its sequence's KV lives in. Each block is in exactly one of three states:
+
+- free: holds nothing anyone can name (no hash, no reference); handed out lowest id first;
+- referenced: in at least one block table (refcount = the number of (owner, table position)
+  references to it); maybe cached too (it has a hash) and then shared by every owner that hit it;
+- evictable: cached (it has a hash) and referenced by nobody; kept in LRU order, and reused by
+  `allocate` only when no free block is left.
+
+A cache hit is block ids appended to the hitting owner's table: zero bytes copied. A commit is
+bookkeeping only: it records that an owner's full block holds the content its hash names, so a
+later `lookup` can share it.
+
+Rules, and the failure each one closes:
+
+- Blocks are assigned only by `allocate`, here in the manager (F3: no counter elsewhere hands out
+  slots). A free block is taken first (lowest id), then the least-recently-released evictable block,
+  and the hash entry that described that block is erased in the same step: a reused block never
+  keeps a stale entry, so an entry's hash always names what its block holds (F3).
+- `allocate` is all-or-nothing: it gives all n blocks or raises `ArenaFull` and changes nothing,
+  so a request that cannot be admitted consumes nothing, and the scheduler can preempt and retry.
+- `free(owner)` is the one way an owner gives blocks back: finish, abort and preemption alike. It
+  only drops references: an abort erases, evicts and reassigns nothing (F3: an abort consumes
+  nothing). A block whose last reference goes becomes evictable if it has a hash, else free.
+- `commit` registers hash → block at most once per hash: if the content is already cached in another
+  block, nothing changes (the owner's copy stays private and is freed normally), so one hash never
+  names two blocks. A block is committed at most once; giving it a second, different hash is an
+  error, since a block holds one content.
+- `lookup` must start a table (the owner's table is empty): a hit is always the prefix of a
+  sequence, never spliced after blocks the owner already has.
+- Eviction is what its name says (F5): least recently *released* first, and tested. Blocks that
+  reach refcount 0 in one `free` enter the LRU order from the table's tail to its head, so a chain
+  is evicted from its tail first and what stays cached is still a usable prefix (evicting block 0
+  first would leave every later block of the chain unreachable). A `lookup` hit takes an evictable
+  block out of the LRU order (it is referenced again); its next release puts it at the recent end.
+- Counts are exact: `num_free()` is free + evictable blocks (what `allocate` can give), and
+  `can_allocate(n)` is true exactly when `allocate(owner, n)` would succeed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Iterable, NamedTuple, Sequence
+
+from mmserve.cache.keys import key_prefix
+
+FREE = "free"
+EVICTABLE = "evictable"
+REFERENCED = "referenced"
+
+
+class ArenaFull(ValueError):
+    """`allocate` cannot give all the blocks asked for; nothing was changed."""
+
+    def __init__(self, wanted: int, available: int):
+        super().__init__(f"cannot allocate {wanted} blocks: only {available} free or evictable")
+        self.wanted = wanted
+        self.available = available
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    num_blocks: int
+    free_blocks: int  # no hash, no reference
+    evictable_blocks: int  # hash, no reference
+    referenced_blocks: int  # in at least one block table
+    cached_blocks: int  # blocks with a hash (entries), referenced or evictable
+    owners: int  # owners with a non-empty block table
+    queries_blocks: int  # blocks asked for by `lookup`
+    hit_blocks: int  # blocks `lookup` answered from the cache
+    allocated_blocks: int  # blocks handed out by `allocate`
+    evictions: int  # entries erased because `allocate` reused their block
+    commits: int  # entries registered by `commit`
+    duplicate_commits: int  # commits refused because the hash was cached in another block
+    cleared_entries: int  # entries dropped by `clear`
+
+
+class ArenaBlockInfo(NamedTuple):
+    """One row of `snapshot()`; lru_rank 0 is the next eviction candidate, None unless evictable."""
+
+    block: int
+    state: str  # FREE, EVICTABLE or REFERENCED
+    refcount: int
+    hash_prefix: str | None
+    lru_rank: int | None
+
+
+class BlockArena:
+    """Bookkeeping of a paged KV arena of `num_blocks` blocks (0 is allowed: nothing fits)."""
+
+    def __init__(self, num_blocks: int):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._tables: dict[Hashable, list[int]] = {}  # owner → its block table (never empty)
+        self._refs: list[int] = [0] * num_blocks  # block → (owner, position) references
+        self._block_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._free: list[int] = list(range(num_blocks))  # a min-heap (a sorted list is one)
+        self._lru: OrderedDict[int, int] = OrderedDict()  # evictable block → release stamp, LRU first
+        self._clock = 0
+        self._referenced = 0  # blocks with refcount > 0
+        self._queries_blocks = 0
+        self._hit_blocks = 0
+        self._allocated_blocks = 0
+        self._evictions = 0
+        self._commits = 0
+        self._duplicate_commits = 0
+        self._cleared = 0
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def peek(self, hashes: Sequence[bytes]) -> int:
+        """Length of the cached prefix of `hashes`; changes nothing."""
+        _check_hashes(hashes)
+        n = 0
+        for h in hashes:
+            if h not in self._block_of:
+                break
+            n += 1
+        return n
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether `allocate(owner, n)` would succeed now: n blocks are free or evictable."""
+        _check_count(n)
+        return n <= self.num_free()
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes], owner: Hashable) -> list[int]:
+        """Blocks of the longest cached prefix of `hashes`, which start `owner`'s block table.
+
+        Each found block gets one more reference (an evictable one leaves the LRU order). The owner
+        must hold no blocks yet; a miss leaves it holding none.
+        """
+        _check_hashes(hashes)
+        if self._tables.get(owner):
+            raise ValueError(f"owner {owner!r} already holds {len(self._tables[owner])} blocks; "
+                             "a lookup must start its block table")
+        blocks: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            self._ref(block)
+        if blocks:
+            self._tables[owner] = list(blocks)
+        self._queries_blocks += len(hashes)
+        self._hit_blocks += len(blocks)
+        return blocks
+
+    def allocate(self, owner: Hashable, n: int) -> list[int]:
+        """`n` new blocks appended to `owner`'s table (refcount 1, no hash); all or `ArenaFull`."""
+        return [block for block, _ in self.allocate_evicting(owner, n)]
+
+    def allocate_evicting(self, owner: Hashable, n: int) -> list[tuple[int, bytes | None]]:
+        """`allocate`, also naming the entry erased from each block: (block, evicted hash or None).
+
+        Free blocks are taken first (lowest id first), then evictable blocks, least recently
+        released first; each one's hash entry is erased at once (F3). Raises `ArenaFull` and
+        changes nothing when fewer than `n` blocks are free or evictable.
+        """
+        _check_count(n)
+        hash(owner)  # an unhashable owner fails here, before anything changed
+        available = self.num_free()
+        if n > available:
+            raise ArenaFull(n, available)
+        if n == 0:
+            return []
+        out: list[tuple[int, bytes | None]] = []
+        while len(out) < n and self._free:
+            out.append((heapq.heappop(self._free), None))
+        while len(out) < n:
+            block, _ = self._lru.popitem(last=False)
+            out.append((block, self._drop_entry(block)))
+            self._evictions += 1
+        table = self._tables.setdefault(owner, [])
+        for block, _ in out:
+            self._refs[block] = 1
+            table.append(block)
+        self._referenced += n
+        self._allocated_blocks += n
+        return out
+
+    def commit(self, owner: Hashable, index: int, block_hash: bytes) -> bool:
+        """Record that `owner`'s table[index] is full and holds the content `block_hash` names.
+
+        Returns True when hash → block was registered; False, changing nothing, when the hash is
+        already cached in another block (the owner's block stays private) or already names this
+        very block. A block that has a different hash is refused (ValueError).
+        """
+        _check_hashes([block_hash])
+        table = self._tables.get(owner)
+        if not table:
+            raise ValueError(f"owner {owner!r} holds no blocks to commit")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(table):
+            raise ValueError(f"index must be an int in [0, {len(table)}), got {index!r}")
+        block = table[index]
+        old = self._hash_of.get(block)
+        if old is not None:
+            if old == block_hash:
+                return False  # already committed with this content (e.g. a lookup hit)
+            raise ValueError(f"block {block} already holds {key_prefix(old)}; it cannot be "
+                             f"committed again as {key_prefix(block_hash)}")
+        if block_hash in self._block_of:
+            self._duplicate_commits += 1
+            return False
+        self._block_of[block_hash] = block
+        self._hash_of[block] = block_hash
+        self._commits += 1
+        return True
+
+    def free(self, owner: Hashable) -> None:
+        """Drop every reference `owner` holds (finish, abort, preemption). Blocks left with no
+        reference become evictable (hashed; tail of the table first) or free. Touches no entry;
+        an unknown owner is harmless."""
+        self.truncate(owner, 0)
+
+    def truncate(self, owner: Hashable, keep: int) -> None:
+        """Drop the references of `owner`'s table after its first `keep` blocks (a preemption that
+        keeps what its sequence cannot recompute), as `free` does; `keep` 0 frees it all."""
+        _check_count(keep)
+        table = self._tables.get(owner)
+        if not table or keep >= len(table):
+            return
+        dropped = table[keep:]
+        if keep:
+            del table[keep:]
+        else:
+            del self._tables[owner]
+        for block in reversed(dropped):
+            left = self._refs[block] - 1
+            self._refs[block] = left
+            if left:
+                continue
+            self._referenced -= 1
+            if block in self._hash_of:
+                self._clock += 1
+                self._lru[block] = self._clock
+            else:
+                heapq.heappush(self._free, block)
+
+    def clear(self) -> int:
+        """Drop every evictable entry (referenced blocks keep theirs); return how many."""
+        n = len(self._lru)
+        for block in self._lru:
+            self._drop_entry(block)
+            self._free.append(block)
+        self._lru.clear()
+        heapq.heapify(self._free)
+        self._cleared += n
+        return n
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def table(self, owner: Hashable) -> tuple[int, ...]:
+        """`owner`'s block table; () when it holds nothing."""
+        return tuple(self._tables.get(owner, ()))
+
+    def refcount(self, block: int) -> int:
+        self._check_block(block)
+        return self._refs[block]
+
+    def hash_of(self, block: int) -> bytes | None:
+        self._check_block(block)
+        return self._hash_of.get(block)
+
+    def block_of(self, block_hash: bytes) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def owners(self) -> set:
+        """Owners holding at least one block."""
+        return set(self._tables)
+
+    def num_free(self) -> int:
+        """Blocks `allocate` can give: free plus evictable."""
+        return len(self._free) + len(self._lru)
+
+    def num_used(self) -> int:
+        """Blocks referenced by at least one block table."""
+        return self._referenced
+
+    def num_cached(self) -> int:
+        """Blocks with a hash (cache entries), referenced or evictable."""
+        return len(self._hash_of)
+
+    def free_blocks(self) -> list[int]:
+        """Free blocks (no hash, no reference), ascending."""
+        return sorted(self._free)
+
+    def evictable_blocks(self) -> list[int]:
+        """Evictable blocks (hash, no reference), the next eviction candidate first."""
+        return list(self._lru)
+
+    def stats(self) -> ArenaStats:
+        return ArenaStats(
+            num_blocks=self.num_blocks,
+            free_blocks=len(self._free),
+            evictable_blocks=len(self._lru),
+            referenced_blocks=self._referenced,
+            cached_blocks=len(self._hash_of),
+            owners=len(self._tables),
+            queries_blocks=self._queries_blocks,
+            hit_blocks=self._hit_blocks,
+            allocated_blocks=self._allocated_blocks,
+            evictions=self._evictions,
+            commits=self._commits,
+            duplicate_commits=self._duplicate_commits,
+            cleared_entries=self._cleared,
+        )
+
+    def snapshot(self) -> list[ArenaBlockInfo]:
+        """Every block that is not free, by id: (block, state, refcount, hash prefix, LRU rank)."""
+        rank = {block: r for r, block in enumerate(self._lru)}
+        free = set(self._free)
+        rows = []
+        for block in range(self.num_blocks):
+            if block in free:
+                continue
+            h = self._hash_of.get(block)
+            state = REFERENCED if self._refs[block] else EVICTABLE
+            rows.append(ArenaBlockInfo(block, state, self._refs[block],
+                                       key_prefix(h) if h is not None else None, rank.get(block)))
+        return rows
+
+    def check_invariants(self) -> None:
+        """Raise ValueError naming the first broken invariant, if any."""
+        n = self.num_blocks
+        if len(self._refs) != n:
+            raise ValueError(f"{len(self._refs)} refcounts kept for {n} blocks")
+        if bad := [b for b, c in enumerate(self._refs) if c < 0]:
+            raise ValueError(f"negative refcount for blocks {bad}")
+        for owner, table in self._tables.items():
+            if not table:
+                raise ValueError(f"owner {owner!r} kept with an empty block table")
+            if bad := [b for b in table if not _in_range(b, n)]:
+                raise ValueError(f"owner {owner!r}'s table holds blocks out of range [0, {n}): {bad}")
+        expected = Counter(b for table in self._tables.values() for b in table)
+        if bad := [b for b in range(n) if self._refs[b] != expected.get(b, 0)]:
+            b = bad[0]
+            raise ValueError(f"refcount of block {b} is {self._refs[b]}, but {expected.get(b, 0)} "
+                             "table positions reference it")
+        referenced = {b for b in range(n) if self._refs[b] > 0}
+        if self._referenced != len(referenced):
+            raise ValueError(f"referenced count {self._referenced} != {len(referenced)} referenced blocks")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise ValueError(f"free list holds a block twice: {sorted(self._free)}")
+        for i in range(1, len(self._free)):
+            if self._free[(i - 1) // 2] > self._free[i]:
+                raise ValueError(f"free list is not a min-heap at index {i}: {self._free}")
+        evictable = set(self._lru)
+        if bad := sorted(b for b in free | evictable | set(self._hash_of) if not _in_range(b, n)):
+            raise ValueError(f"blocks out of range [0, {n}): {bad}")
+        if both := free & referenced:
+            raise ValueError(f"blocks both free and referenced: {sorted(both)}")
+        if both := evictable & referenced:
+            raise ValueError(f"blocks both evictable and referenced: {sorted(both)}")
+        if both := free & evictable:
+            raise ValueError(f"blocks both free and evictable: {sorted(both)}")
+        if lost := sorted(set(range(n)) - free - evictable - referenced):
+            raise ValueError(f"blocks neither free, evictable nor referenced: {lost}")
+        if len(self._block_of) != len(self._hash_of):
+            raise ValueError(f"{len(self._block_of)} hash→block entries but {len(self._hash_of)} block→hash")
+        for h, block in self._block_of.items():
+            if self._hash_of.get(block) != h:
+                other = self._hash_of.get(block)
+                raise ValueError(f"entry {key_prefix(h)} → block {block}, but block {block} is described "
+                                 f"by {key_prefix(other) if other is not None else None}")
+        if bad := sorted(free & set(self._hash_of)):
+            raise ValueError(f"free blocks with a hash: {bad}")
+        if evictable != set(self._hash_of) - referenced:
+            raise ValueError(f"evictable blocks {sorted(evictable)} != hashed unreferenced blocks "
+                             f"{sorted(set(self._hash_of) - referenced)}")
+        stamps = list(self._lru.values())
+        if any(a >= b for a, b in zip(stamps, stamps[1:])):
+            raise ValueError(f"LRU order {list(self._lru)} is not by release {stamps}")
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"BlockArena(num_blocks={s.num_blocks}, free={s.free_blocks}, "
+                f"evictable={s.evictable_blocks}, referenced={s.referenced_blocks}, "
+                f"cached={s.cached_blocks})")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _ref(self, block: int) -> None:
+        if not self._refs[block]:
+            self._referenced += 1
+            self._lru.pop(block, None)  # a cached block found by lookup: evictable until now
+        self._refs[block] += 1
+
+    def _drop_entry(self, block: int) -> bytes:
+        h = self._hash_of.pop(block)
+        del self._block_of[h]
+        return h
+
+    def _check_block(self, block: int) -> None:
+        if not _in_range(block, self.num_blocks):
+            raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
+
+
+def _in_range(block: object, n: int) -> bool:
+    return not isinstance(block, bool) and isinstance(block, int) and 0 <= block < n
+
+
+def _check_count(n: object) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"a block count must be an int >= 0, got {n!r}")
+
+
+def _check_hashes(hashes: Iterable[bytes]) -> None:
+    if isinstance(hashes, (bytes, bytearray, str)):
+        raise TypeError("hashes must be a sequence of block hashes, not a single bytes/str object")
+    for h in hashes:
+        if type(h) is not bytes:
+            raise TypeError(f"block hashes must be bytes, got {type(h).__name__}")
