@@ -20,30 +20,14 @@ A cache hit is block ids appended to the hitting owner's table: zero bytes copie
 bookkeeping only: it records that an owner's full block holds the content its hash names, so a
 later `lookup` can share it.
 
-Rules, and the failure each one closes:
-
-- Blocks are assigned only by `allocate`, here in the manager (F3: no counter elsewhere hands out
-  slots). A free block is taken first (lowest id), then the least-recently-released evictable block,
-  and the hash entry that described that block is erased in the same step: a reused block never
-  keeps a stale entry, so an entry's hash always names what its block holds (F3).
-- `allocate` is all-or-nothing: it gives all n blocks or raises `ArenaFull` and changes nothing,
-  so a request that cannot be admitted consumes nothing, and the scheduler can preempt and retry.
-- `free(owner)` is the one way an owner gives blocks back: finish, abort and preemption alike. It
-  only drops references: an abort erases, evicts and reassigns nothing (F3: an abort consumes
-  nothing). A block whose last reference goes becomes evictable if it has a hash, else free.
-- `commit` registers hash → block at most once per hash: if the content is already cached in another
-  block, nothing changes (the owner's copy stays private and is freed normally), so one hash never
-  names two blocks. A block is committed at most once; giving it a second, different hash is an
-  error, since a block holds one content.
-- `lookup` must start a table (the owner's table is empty): a hit is always the prefix of a
-  sequence, never spliced after blocks the owner already has.
-- Eviction is what its name says (F5): least recently *released* first, and tested. Blocks that
-  reach refcount 0 in one `free` enter the LRU order from the table's tail to its head, so a chain
-  is evicted from its tail first and what stays cached is still a usable prefix (evicting block 0
-  first would leave every later block of the chain unreachable). A `lookup` hit takes an evictable
-  block out of the LRU order (it is referenced again); its next release puts it at the recent end.
-- Counts are exact: `num_free()` is free + evictable blocks (what `allocate` can give), and
-  `can_allocate(n)` is true exactly when `allocate(owner, n)` would succeed.
+Rules, and the failure each closes: blocks are assigned only by `allocate` (F3), free ones first
+(lowest id), then the least-recently-released evictable one, whose hash entry is erased in the same
+step (a reused block never keeps a stale entry); `allocate` is all-or-nothing (`ArenaFull` changes
+nothing); `free`/`truncate` only drop references (an abort erases, evicts, reassigns nothing);
+`commit` registers a hash at most once (a duplicate stays private) and a block holds one content;
+`lookup` starts a table (a hit is always a prefix); eviction is least recently *released* first,
+a chain from its tail (what stays cached is still a usable prefix), and a hit takes a block out of
+the LRU order (F5); `can_allocate(n)` is true exactly when `allocate(owner, n)` would succeed.
 """
 
 from __future__ import annotations

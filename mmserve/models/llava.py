@@ -248,5 +248,37 @@ class LlavaAdapter:
         logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
         return StepOutput(logits.float(), out.past_key_values)
 
+    @torch.inference_mode()
+    def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena) -> torch.Tensor:
+        """One ragged step over a paged KV arena (mmserve.models.paged): `inputs_embeds`
+        [1, T, H] is the concatenation of every segment's new tokens (a decode token of each
+        running sequence, prefill chunks of waiting ones); their KV is written into the arena at
+        their block-table slots. Returns float logits [len(segments), vocab] of each segment's
+        last token.
+
+        The paged attention is selected for this call only: it runs a twin of the language
+        model that shares every parameter and buffer (no weights copied) but has its own config
+        whose attention implementation is "mmserve_paged". The model's own config is never
+        switched, so `prefill`/`decode` in other threads keep their attention meanwhile."""
+        from mmserve.models import paged
+
+        twin = getattr(self, "_paged_lm", None)
+        if twin is None:
+            import copy
+
+            lm = self.model.model.language_model
+            shared = {id(t): t for t in (*lm.parameters(), *lm.buffers())}
+            twin = copy.deepcopy(lm, shared)  # the memo makes the copy reuse every tensor
+            twin.config._attn_implementation = paged.ATTN_IMPLEMENTATION
+            self._paged_lm = twin
+        batch = paged.PagedBatch(arena, segments)
+        if inputs_embeds.shape[:2] != (1, batch.tokens):
+            raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
+                             f"{batch.tokens} new tokens as [1, T, hidden]")
+        out = twin(inputs_embeds=inputs_embeds.to(self.device, self.dtype), position_ids=batch.position_ids,
+                   use_cache=False, **{paged.KWARG: batch})
+        last = out.last_hidden_state[0].index_select(0, batch.last_index)
+        return self.model.lm_head(last).float()
+
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
