@@ -82,6 +82,14 @@ class KVArena:
         values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         return cls(keys, values)
 
+    @classmethod
+    def for_model(cls, adapter, budget_bytes: int, block_size: int) -> "KVArena":
+        """The arena of `adapter`'s language model that fits `budget_bytes` (at least one block)."""
+        elem = torch.empty((), dtype=adapter.dtype).element_size()
+        block_bytes = 2 * adapter.kv_layers * block_size * adapter.kv_heads * adapter.head_dim * elem
+        return cls.allocate(adapter.kv_layers, max(1, budget_bytes // block_bytes), block_size, adapter.kv_heads,
+                            adapter.head_dim, adapter.dtype, adapter.device)
+
     @property
     def layers(self) -> int:
         return len(self.keys)
