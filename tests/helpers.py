@@ -28,17 +28,16 @@ def image_part(img, fmt: str = "PNG") -> dict:
 
 async def assert_nothing_held(rt) -> None:
     """Once the runtime is idle, no loaded model holds anything for a request: no sequence in the
-    generator, no encoder job or pin, no prefix-cache pin, waiter or in-flight registration, and
-    the block store's invariants hold."""
+    generator, no encoder job or pin, no KV block held, no waiter or in-flight registration, and
+    the KV arena's invariants hold."""
     await trio.testing.wait_all_tasks_blocked(cushion=0.05)
     for name, model in rt.registry.loaded.items():
         assert not model.generator.running and not model.generator.in_flight, name
         assert not model.encoder.in_flight and model.encoder.stats()["pinned_entries"] == 0, name
-        if model.prefix_cache is not None:
-            model.prefix_cache.store.check_invariants()
-            assert not model.prefix_cache.store.owners(), name
-            inflight = model.prefix_cache.inflight
-            assert len(inflight) == 0 and inflight.registered_blocks == 0, name
+        model.prefix_cache.arena.check_invariants()
+        assert not model.prefix_cache.arena.owners(), (name, model.prefix_cache.arena.owners())
+        inflight = model.prefix_cache.inflight
+        assert len(inflight) == 0 and inflight.registered_blocks == 0, name
 
 
 def ask(img, question: str = Q_COLOR) -> list[dict]:

@@ -3,8 +3,9 @@ for the remote-image-URL tests.
 
 Routes: `/<colour>.png` (a demo image), `/redirect?to=URL` (302), `/loop` (redirects to itself),
 `/missing` (404), `/text` (200, not an image), `/big?n=N` (N bytes with a Content-Length),
-`/big-stream?n=N` (N bytes, no Content-Length, body ends at close), `/hold` (accepts, answers
-nothing, and records when the peer closes the connection).
+`/big-stream?n=N` (N bytes, no Content-Length, body ends at close), `/hold[?id=NAME]` (accepts,
+answers nothing, and records when the peer closes the connection; with an id, in `holds[NAME]`).
+Tests wait on what the server saw with `wait(predicate)`, never on a clock.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass  # the client hung up at its cap: expected
         elif name == "hold":
-            self._hold()
+            self._hold(query.get("id"))
         else:
             self._send(404, b"not found", "text/plain")
 
@@ -76,9 +77,14 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _hold(self) -> None:
-        """Answers nothing; returns when the peer closes (recorded) or after 20 s."""
+    def _hold(self, tag: str | None) -> None:
+        """Answers nothing; returns when the peer closes (recorded) or after 20 s (a server that
+        hangs, on purpose: the select below only watches for the close)."""
         owner = self.server.owner
+        with owner.changed:
+            if tag is not None:
+                owner.holds[tag] = None
+            owner.changed.notify_all()
         deadline = time.monotonic() + 20
         sock = self.connection
         while time.monotonic() < deadline:
@@ -89,8 +95,11 @@ class _Handler(BaseHTTPRequestHandler):
                         break
                 except OSError:
                     break
-        with owner.lock:
+        with owner.changed:
             owner.hold_closed.append(time.monotonic())
+            if tag is not None:
+                owner.holds[tag] = owner.hold_closed[-1]
+            owner.changed.notify_all()
 
 
 class _Server(ThreadingHTTPServer):
@@ -106,10 +115,12 @@ class ImageServer:
 
     def __init__(self, tls: tuple[str, str] | None = None):
         """`tls`: (certificate chain file, key file) to serve https instead of http."""
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)  # notified at each request and each /hold event
         self.scheme = "https" if tls else "http"
         self.requests: list[tuple[str, str | None]] = []  # (path, Host header)
-        self.hold_closed: list[float] = []
+        self.hold_closed: list[float] = []  # when each /hold connection was closed by its peer
+        self.holds: dict[str, float | None] = {}  # /hold?id=NAME: None while held, then when closed
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
         if tls:
@@ -123,8 +134,14 @@ class ImageServer:
         return f"{self.scheme}://{host}:{self.port}{path}"
 
     def _seen(self, path: str, host: str | None) -> None:
-        with self.lock:
+        with self.changed:
             self.requests.append((path, host))
+            self.changed.notify_all()
+
+    def wait(self, predicate, timeout: float = 5.0) -> bool:
+        """Waits until `predicate()` (called under the lock) holds; False after `timeout` s."""
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
 
     def paths(self) -> list[str]:
         with self.lock:

@@ -19,7 +19,7 @@ LENGTHS = [9, 17, 5, 12, 20]
 
 
 def cfg(tiny_config, **gen):
-    return tiny_config.replace(prefix_cache={"enabled": False}, generator=gen)
+    return tiny_config.replace(kv_cache={"prefix_caching": False}, generator=gen)
 
 
 async def sequential(config):
@@ -69,5 +69,5 @@ async def test_batched_outputs_equal_unbatched(tiny_config):
 
 async def test_staggered_arrivals_chunked_prefill_and_an_early_departure(tiny_config):
     expected = await sequential(cfg(tiny_config))
-    got, _ = await concurrent(cfg(tiny_config, prefill_chunk_tokens=7), staggered=True, abort_index=2)
+    got, _ = await concurrent(cfg(tiny_config, max_batched_tokens=7), staggered=True, abort_index=2)
     assert [g for i, g in enumerate(got) if i != 2] == [e for i, e in enumerate(expected) if i != 2]

@@ -12,7 +12,7 @@ from mmserve.config import (
     EncoderCacheConfig,
     LimitsConfig,
     ModelConfig,
-    PrefixCacheConfig,
+    KVCacheConfig,
     SupervisorConfig,
     config_from_dict,
     load_config,
@@ -20,7 +20,7 @@ from mmserve.config import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("server", "runtime", "limits", "encoder_cache", "prefix_cache", "generator", "supervisor", "logging",
+SECTIONS = ("server", "runtime", "limits", "encoder_cache", "kv_cache", "generator", "supervisor", "logging",
             "auth")
 
 
@@ -70,9 +70,9 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
                ("remote_image_fetch_concurrency", 0)],
     "encoder_cache": [("enabled", "true"), ("budget_bytes", -1), ("max_entries", -1), ("max_batch_images", 0),
                       ("batch_wait_ms", -1)],
-    "prefix_cache": [("enabled", 1), ("block_size", 0), ("block_size", 4097), ("block_size", 16.0),
-                     ("budget_bytes", -1), ("inflight_wait_s", -0.1), ("hash", "md5")],
-    "generator": [("prefill_chunk_tokens", 0), ("lookup_timeout_s", 0)],
+    "kv_cache": [("prefix_caching", 1), ("block_size", 0), ("block_size", 4097), ("block_size", 16.0),
+                 ("budget_bytes", 0), ("inflight_wait_s", -0.1), ("hash", "md5")],
+    "generator": [("max_batched_tokens", 0), ("max_running_requests", 0), ("lookup_timeout_s", 0)],
     "supervisor": [("restart_backoff_s", 0), ("max_restart_backoff_s", 0.05), ("stall_timeout_s", 0),
                    ("healthy_reset_s", -1)],
     "logging": [("format", "text"), ("level", "verbose"), ("level", "INFO")],
@@ -115,8 +115,8 @@ def test_every_key_is_checked_and_the_error_names_section_key_and_value(section,
 
 def test_message_format():
     with pytest.raises(ValueError) as e:
-        config_from_dict({"prefix_cache": {"block_size": 0}})
-    assert str(e.value) == "config [prefix_cache] block_size: must be an integer from 1 to 4096, got 0"
+        config_from_dict({"kv_cache": {"block_size": 0}})
+    assert str(e.value) == "config [kv_cache] block_size: must be an integer from 1 to 4096, got 0"
     with pytest.raises(ValueError) as e:
         config_from_dict({"limits": {"max_tokens": 100, "default_max_tokens": 200}})
     assert str(e.value) == "config [limits] default_max_tokens: must be an integer from 1 to max_tokens (100), got 200"
@@ -135,9 +135,9 @@ def test_message_format():
                 "max_json_depth": 2, "image_formats": ["GIF", "BMP", "TIFF", "PNG", "JPEG", "WEBP"],
                 "max_tokens": 8, "default_max_tokens": 8, "request_timeout_s": 0.3}},
     {"encoder_cache": {"budget_bytes": 0, "max_entries": 3, "batch_wait_ms": 0, "max_batch_images": 1}},
-    {"prefix_cache": {"block_size": 1, "budget_bytes": 1, "inflight_wait_s": 0, "hash": "sha256"}},
-    {"prefix_cache": {"block_size": 4096, "enabled": False}},
-    {"generator": {"prefill_chunk_tokens": 1, "lookup_timeout_s": 0.3}},
+    {"kv_cache": {"block_size": 1, "budget_bytes": 1, "inflight_wait_s": 0, "hash": "sha256"}},
+    {"kv_cache": {"block_size": 4096, "prefix_caching": False}},
+    {"generator": {"max_batched_tokens": 1, "max_running_requests": 1, "lookup_timeout_s": 0.3}},
     {"supervisor": {"restart_backoff_s": 0.02, "max_restart_backoff_s": 0.02, "stall_timeout_s": 0.5,
                     "healthy_reset_s": 1}},
     {"logging": {"format": "console", "level": "debug"}},
@@ -149,19 +149,19 @@ def test_unusual_but_valid_values_are_accepted(raw):
 
 
 def test_replace_and_direct_construction_check_too():
-    with pytest.raises(ValueError, match=r"config \[prefix_cache\] block_size: .* got 0"):
-        Config().replace(prefix_cache={"block_size": 0})
+    with pytest.raises(ValueError, match=r"config \[kv_cache\] block_size: .* got 0"):
+        Config().replace(kv_cache={"block_size": 0})
     with pytest.raises(ValueError, match=r"config \[supervisor\] max_restart_backoff_s"):
         Config().replace(supervisor={"restart_backoff_s": 10.0})
     with pytest.raises(ValueError, match=r"config \[encoder_cache\] budget_bytes"):
         EncoderCacheConfig(budget_bytes=-1)
-    with pytest.raises(ValueError, match=r"config \[prefix_cache\] block_size"):
-        PrefixCacheConfig(block_size=True)
+    with pytest.raises(ValueError, match=r"config \[kv_cache\] block_size"):
+        KVCacheConfig(block_size=True)
     with pytest.raises(ValueError, match=r"config \[server\]: must be a ServerConfig"):
         Config(server={"port": 1})
-    c = Config().replace(prefix_cache={"block_size": 8, "budget_bytes": 1}, encoder_cache={"max_entries": 3},
+    c = Config().replace(kv_cache={"block_size": 8, "budget_bytes": 1}, encoder_cache={"max_entries": 3},
                          supervisor={"stall_timeout_s": 0.5, "restart_backoff_s": 0.02})
-    assert c.prefix_cache.block_size == 8 and c.supervisor.restart_backoff_s == 0.02
+    assert c.kv_cache.block_size == 8 and c.supervisor.restart_backoff_s == 0.02
     assert LimitsConfig(image_formats=["PNG"]).image_formats == ("PNG",)  # lists stored as tuples
     assert SupervisorConfig(restart_backoff_s=1, max_restart_backoff_s=1).max_restart_backoff_s == 1
 
@@ -209,7 +209,7 @@ def test_invalid_toml_names_the_file(tmp_path):
 
 def serve_bad_config(tmp_path):
     path = tmp_path / "bad.toml"
-    path.write_text("[prefix_cache]\nblock_size = 0\n")
+    path.write_text("[kv_cache]\nblock_size = 0\n")
     return subprocess.run([sys.executable, "-m", "mmserve.cli", "serve", "--config", str(path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 
@@ -217,11 +217,21 @@ def serve_bad_config(tmp_path):
 def test_cli_serve_refuses_a_bad_config(tmp_path):
     proc = serve_bad_config(tmp_path)
     assert proc.returncode == 1
-    assert "config [prefix_cache] block_size: must be an integer from 1 to 4096, got 0" in proc.stderr
+    assert "config [kv_cache] block_size: must be an integer from 1 to 4096, got 0" in proc.stderr
 
 
 def test_cli_serve_reports_a_bad_config_in_one_line(tmp_path):
     proc = serve_bad_config(tmp_path)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "config [prefix_cache] block_size: must be an integer from 1 to 4096, got 0" in lines[0]
+    assert len(lines) == 1 and "config [kv_cache] block_size: must be an integer from 1 to 4096, got 0" in lines[0]
+
+
+def test_the_old_prefix_cache_section_still_works_with_a_deprecation_warning(tmp_path):
+    with pytest.warns(DeprecationWarning, match=r"\[prefix_cache\] is deprecated.*prefix_caching \(was enabled\)"):
+        c = config_from_dict({"prefix_cache": {"enabled": False, "block_size": 8, "budget_bytes": 1 << 20}})
+    assert (c.kv_cache.prefix_caching, c.kv_cache.block_size, c.kv_cache.budget_bytes) == (False, 8, 1 << 20)
+    with pytest.warns(DeprecationWarning):
+        assert Config().replace(prefix_cache={"block_size": 32}).kv_cache.block_size == 32
+    with pytest.raises(ValueError, match="unknown key"):
+        config_from_dict({"prefix_cache": {"slots": 3}})

@@ -12,7 +12,7 @@ import trio.testing
 import pytest
 from PIL import Image
 
-from tests.helpers import ServerThread, colour_question, data_url
+from tests.helpers import ServerThread, colour_question, data_url, wait_until
 
 MAX_BODY = 256 * 1024
 
@@ -168,8 +168,8 @@ def test_api_keys_and_admin_endpoint(tiny_config):
         assert c.get("/health").status_code == 200  # health stays open for probes
         assert_error(c.get("/debug/cache", headers={"Authorization": "Bearer k1"}), 401)
         dbg = c.get("/debug/cache", headers={"Authorization": "Bearer root"}).json()
-        assert dbg["tiny"]["encoder_cache"]["entries"] == 1 and dbg["tiny"]["prefix_cache"]["entries"] >= 1
-        assert dbg["tiny"]["prefix_cache"]["pinned_owners"] == 0
+        assert dbg["tiny"]["encoder_cache"]["entries"] == 1 and dbg["tiny"]["prefix_cache"]["cached_blocks"] >= 1
+        assert dbg["tiny"]["prefix_cache"]["owners_holding_blocks"] == 0
 
 
 def test_admin_endpoints_disabled_without_admin_key(client):
@@ -194,7 +194,7 @@ def test_admin_cache_reset_empties_both_caches_and_serving_goes_on(tiny_config):
         dropped = r.json()["dropped"]["tiny"]
         assert dropped["encoder"] == 1 and dropped["prefix"] >= 1
         dbg = c.get("/debug/cache", headers=admin).json()["tiny"]
-        assert dbg["encoder_cache"]["entries"] == 0 and dbg["prefix_cache"]["entries"] == 0
+        assert dbg["encoder_cache"]["entries"] == 0 and dbg["prefix_cache"]["cached_blocks"] == 0
         after = chat(c, body).json()
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert after["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
@@ -210,16 +210,20 @@ async def test_cache_reset_during_requests_keeps_what_they_use(tiny_config):
     from tests.helpers import ask
 
     async with Runtime.open(tiny_config) as rt:
+        generator, done = rt.registry.require("tiny").generator, []
+
         async def one(i):
             await rt.chat_completion(ask(render_image("red", "circle", seed=i % 3)), temperature=0, max_tokens=8)
+            done.append(i)
 
         async with trio.open_nursery() as n:
             for i in range(6):
                 n.start_soon(one, i)
             for _ in range(4):
                 await rt.reset_caches()
-                await trio.sleep(0.01)
+                steps = generator.steps  # the requests move on (a decode step) before the next reset
+                await wait_until(lambda: generator.steps > steps or len(done) == 6, what="a decode step")
         await trio.testing.wait_all_tasks_blocked(cushion=0.02)
         m = rt.registry.require("tiny")
-        m.prefix_cache.store.check_invariants()
-        assert not m.prefix_cache.store.owners() and m.encoder.cache.stats().pinned_entries == 0
+        m.prefix_cache.arena.check_invariants()
+        assert not m.prefix_cache.arena.owners() and m.encoder.cache.stats().pinned_entries == 0

@@ -160,9 +160,8 @@ def test_connection_closes_after_the_response(server, mode, kind):
         status, resp_headers, resp_body = reader.response()
         check(status, resp_body)
         assert resp_headers.get("connection", "").lower() == "close", resp_headers
-        started = time.monotonic()
+        # waits for the close itself (EOF); CLOSE_WITHIN_S only bounds the wait
         assert reader.closed_within(CLOSE_WITHIN_S), f"{mode} {kind}: connection still open after the response"
-        assert time.monotonic() - started < CLOSE_WITHIN_S
 
 
 def test_http11_keep_alive_serves_several_requests_on_one_connection(server):
@@ -175,6 +174,8 @@ def test_http11_keep_alive_serves_several_requests_on_one_connection(server):
             status, resp_headers, resp_body = reader.response()
             check(status, resp_body)
             assert resp_headers.get("connection", "").lower() != "close", (kind, resp_headers)
+            # a clock: a close that does not come can only be watched for a while; the next request
+            # on this socket is the stronger proof
             assert not reader.closed_within(0.05), f"keep-alive connection closed after {kind}"
 
 
@@ -184,6 +185,7 @@ def test_idle_keep_alive_connection_stays_open_under_the_default_timeout(server)
         reader = Reader(sock)
         sock.sendall(raw_request("GET", "/health"))
         _check_health(*reader.response()[::2])
+        # a clock: staying open while idle is the behaviour (1 s: twice the short timeout below)
         assert not reader.closed_within(1.0), "closed after 1 s idle with a 75 s keep-alive timeout"
         sock.settimeout(5)
         sock.sendall(raw_request("GET", "/v1/models"))
@@ -197,10 +199,11 @@ def test_idle_keep_alive_connection_closes_after_the_configured_timeout(short_id
             sock.settimeout(5)
             sock.sendall(raw_request("GET", "/health"))
             _check_health(*reader.response()[::2])
-            time.sleep(0.2)
+            time.sleep(0.2)  # a client idle for a while (the behaviour under test is an idle timer)
         idle_from = time.monotonic() - 0.2
         assert reader.closed_within(CLOSE_WITHIN_S), "idle connection still open 2 s past a 0.5 s timeout"
-        assert time.monotonic() - idle_from >= 0.3  # closed by the idle timer, not at once
+        # a clock: closed by the 0.5 s idle timer, not at once (0.3 s leaves room for timer slack)
+        assert time.monotonic() - idle_from >= 0.3
 
 
 def test_connection_that_never_sends_a_request_is_closed_after_the_timeout(short_idle_server):

@@ -63,11 +63,12 @@ def run_turn(rt, model, messages, disconnect_after):
 
 @pytest.fixture(scope="module")
 def runtimes(demo_config):
-    cached = demo_config.replace(prefix_cache={"block_size": 8, "budget_bytes": 1}, encoder_cache={"max_entries": 3})
-    with SyncRuntime(demo_config.replace(prefix_cache={"enabled": False}, encoder_cache={"enabled": False})) as off:
-        with SyncRuntime(cached) as probe:
-            block_bytes = probe.stats()["demo"]["prefix_cache"]["block_bytes"]
-        with SyncRuntime(cached.replace(prefix_cache={"block_size": 8, "budget_bytes": 6 * block_bytes})) as on:
+    # a tiny arena: 20 blocks of 8 tokens for demo (fewer for demo-wide), where one 3-turn
+    # conversation takes up to 11: concurrent conversations preempt each other and evict what is cached
+    cached = demo_config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384},
+                                 encoder_cache={"max_entries": 3})
+    with SyncRuntime(demo_config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
+        with SyncRuntime(cached) as on:
             yield on, off
 
 

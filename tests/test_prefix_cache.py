@@ -9,8 +9,8 @@ from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from tests.helpers import ask
 
 
-def cfg(tiny_config, **prefix):
-    return tiny_config.replace(prefix_cache=prefix)
+def cfg(tiny_config, **kv):
+    return tiny_config.replace(kv_cache={"prefix_caching" if k == "enabled" else k: v for k, v in kv.items()})
 
 
 async def run(config, conversations, **kw):
@@ -24,8 +24,8 @@ async def run(config, conversations, **kw):
         pc = rt.registry.require("tiny").prefix_cache
         stats = pc.stats() if pc else None
         if pc:
-            pc.store.check_invariants()
-            assert not pc.store.owners(), "pins left after every request ended"
+            pc.arena.check_invariants()
+            assert not pc.arena.owners(), "blocks held after every request ended"
     return out, stats
 
 
@@ -85,7 +85,7 @@ async def test_aborted_requests_leave_no_pins(tiny_config):
             while rt.registry.require("tiny").generator.running:
                 await trio.sleep(0.01)
         await trio.testing.wait_all_tasks_blocked(cushion=0.02)
-        store = rt.registry.require("tiny").prefix_cache.store
+        store = rt.registry.require("tiny").prefix_cache.arena
         store.check_invariants()
         assert not store.owners()
 
@@ -98,7 +98,7 @@ async def test_an_image_the_hit_covers_is_never_encoded(demo_config):
     first = ask(img, Q_COLOR)
     answers = {}
     for on in (True, False):
-        config = demo_config.replace(prefix_cache={"block_size": 8, "enabled": on}, encoder_cache={"enabled": on})
+        config = demo_config.replace(kv_cache={"block_size": 8, "prefix_caching": on}, encoder_cache={"enabled": on})
         async with Runtime.open(config) as rt:
             a = await rt.chat_completion(first, temperature=0, max_tokens=4)
             follow = [*first, {"role": "assistant", "content": a.text}, {"role": "user", "content": Q_SHAPE}]

@@ -4,19 +4,17 @@ waits for that one's commit — and computes them itself if it aborts or the wai
 import math
 
 import pytest
-import torch
 import trio
 import trio.testing
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mmserve import Runtime
-from mmserve.actors.messages import Abort, Commit, Lookup, LookupResult
+from mmserve.actors.messages import Allocate, Commit, KVEpoch, Lookup, Release
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.cache.inflight import InFlightBlocks
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
-from mmserve.models.llava import LlavaAdapter
-from mmserve.config import PrefixCacheConfig
+from mmserve.config import KVCacheConfig
 from tests.helpers import ask
 
 HASHES = tuple(bytes([i]) * 16 for i in range(4))
@@ -93,85 +91,128 @@ def test_a_request_cannot_wait_on_itself_or_wait_twice():
 
 # -- the manager actor -------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return LlavaAdapter("tiny", tiny_model_dir)
-
-
-def kv_for(adapter, blocks: int, block_size: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    shape = (1, adapter.kv_heads, blocks * block_size, adapter.head_dim)
-    return tuple((torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(adapter.kv_layers))
-
-
-async def answer(receive) -> LookupResult:
+async def answer(receive):
     with trio.fail_after(5):
         return await receive.receive()
 
 
-async def started(nursery, adapter, wait_s=10.0):
-    manager = PrefixCacheManager(adapter, PrefixCacheConfig(block_size=4, budget_bytes=1 << 20, inflight_wait_s=wait_s))
+async def started(nursery, wait_s=10.0, num_blocks=64):
+    manager = PrefixCacheManager("tiny", KVCacheConfig(block_size=4, inflight_wait_s=wait_s), num_blocks)
     nursery.start_soon(manager.run)
     await trio.testing.wait_all_tasks_blocked()
     return manager
 
 
-async def test_a_waiter_gets_the_blocks_once_the_owner_commits(adapter):
+async def grant(m, needs):
+    send, receive = trio.open_memory_channel(1)
+    m.inbox_send.send_nowait(Allocate(tuple(needs), send))
+    return await answer(receive)
+
+
+async def test_a_waiter_gets_the_blocks_once_the_owner_commits():
     send, receive = trio.open_memory_channel(math.inf)
     async with trio.open_nursery() as nursery:
-        m = await started(nursery, adapter)
+        m = await started(nursery)
         m.inbox_send.send_nowait(Lookup("a", HASHES, send))
-        assert (await answer(receive)).blocks == 0  # a computes them
+        assert (await answer(receive)).blocks == ()  # a computes them
         m.inbox_send.send_nowait(Lookup("b", HASHES, send))
         await trio.testing.wait_all_tasks_blocked()
         assert receive.statistics().current_buffer_used == 0 and m.stats()["waiting_lookups"] == 1
-        kv = kv_for(adapter, 4, 4, seed=1)
-        m.inbox_send.send_nowait(Commit("a", HASHES, kv))
+        (rid, blocks), = (await grant(m, [("a", 4)])).granted
+        m.inbox_send.send_nowait(Commit("a", tuple(enumerate(HASHES))))
         got = await answer(receive)
-        assert (got.request_id, got.blocks) == ("b", 4)
-        cache = adapter.new_cache(32)
-        assert got.source.copy_into(cache) == 16
-        for layer, (k, v) in zip(cache.layers, kv):
-            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-        m.inbox_send.send_nowait(Abort("b"))
+        # b's table starts with a's very blocks: a hit copies nothing
+        assert (got.request_id, got.blocks) == ("b", blocks)
+        assert all(m.arena.refcount(b) == 2 for b in blocks)
+        m.inbox_send.send_nowait(Release("a"))
+        m.inbox_send.send_nowait(Release("b"))
         await trio.testing.wait_all_tasks_blocked()
-        assert not m.store.owners() and m.stats()["dedup_waits"] == 1 and m.stats()["inflight_blocks"] == 0
-        m.store.check_invariants()
+        assert not m.arena.owners() and m.stats()["dedup_waits"] == 1 and m.stats()["inflight_blocks"] == 0
+        assert m.arena.num_cached() == 4  # released, still cached
+        m.arena.check_invariants()
         nursery.cancel_scope.cancel()
 
 
-async def test_when_the_owner_aborts_the_waiter_computes_and_others_wait_on_it(adapter):
+async def test_when_the_owner_aborts_the_waiter_computes_and_others_wait_on_it():
     send, receive = trio.open_memory_channel(math.inf)
     async with trio.open_nursery() as nursery:
-        m = await started(nursery, adapter)
+        m = await started(nursery)
         m.inbox_send.send_nowait(Lookup("a", HASHES, send))
         await answer(receive)
         m.inbox_send.send_nowait(Lookup("b", HASHES, send))
-        m.inbox_send.send_nowait(Abort("a"))
+        m.inbox_send.send_nowait(Release("a"))
         got = await answer(receive)
-        assert (got.request_id, got.blocks) == ("b", 0)  # b computes the blocks now
+        assert (got.request_id, got.blocks) == ("b", ())  # b computes the blocks now
         m.inbox_send.send_nowait(Lookup("c", HASHES[:2], send))
         await trio.testing.wait_all_tasks_blocked()
         assert m.inflight.is_parked("c")  # and c waits on b
-        m.inbox_send.send_nowait(Abort("c"))  # a waiter that goes away just stops waiting
+        m.inbox_send.send_nowait(Release("c"))  # a waiter that goes away just stops waiting
         await trio.testing.wait_all_tasks_blocked()
         assert len(m.inflight) == 0
-        m.inbox_send.send_nowait(Abort("b"))
+        m.inbox_send.send_nowait(Release("b"))
         await trio.testing.wait_all_tasks_blocked()
-        assert not m.store.owners() and m.inflight.registered_blocks == 0
+        assert not m.arena.owners() and m.inflight.registered_blocks == 0
         nursery.cancel_scope.cancel()
 
 
-async def test_a_wait_ends_at_its_deadline(adapter, autojump_clock):
+async def test_a_wait_ends_at_its_deadline(autojump_clock):
     send, receive = trio.open_memory_channel(math.inf)
     async with trio.open_nursery() as nursery:
-        m = await started(nursery, adapter, wait_s=3.0)
+        m = await started(nursery, wait_s=3.0)
         m.inbox_send.send_nowait(Lookup("a", HASHES, send))
         await answer(receive)
         t0 = trio.current_time()
         m.inbox_send.send_nowait(Lookup("b", HASHES, send))
         got = await answer(receive)
-        assert got.request_id == "b" and got.blocks == 0 and 3.0 <= trio.current_time() - t0 < 3.5
+        assert got.request_id == "b" and got.blocks == () and 3.0 <= trio.current_time() - t0 < 3.5
+        nursery.cancel_scope.cancel()
+
+
+async def test_grants_go_in_order_until_one_cannot_be_met_and_a_late_grant_is_taken_back():
+    async with trio.open_nursery() as nursery:
+        m = await started(nursery, num_blocks=6)
+        reply = await grant(m, [("old", 2), ("mid", 3), ("new", 2)])
+        assert [r for r, _ in reply.granted] == ["old", "mid"] and reply.refused == ("new",)
+        assert reply.free_blocks == 1
+        send, receive = trio.open_memory_channel(1)
+        receive.close()  # the generator stopped waiting
+        m.inbox_send.send_nowait(Allocate((("late", 1),), send))
+        await trio.testing.wait_all_tasks_blocked()
+        assert m.arena.table("late") == () and m.arena.num_free() == 1
+        m.arena.check_invariants()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_grant_without_free_blocks_evicts_and_logs_it():
+    from structlog.testing import capture_logs
+
+    async with trio.open_nursery() as nursery:
+        m = await started(nursery, num_blocks=4)
+        await grant(m, [("a", 4)])
+        m.inbox_send.send_nowait(Commit("a", tuple(enumerate(HASHES))))
+        m.inbox_send.send_nowait(Release("a"))
+        with capture_logs() as logs:
+            reply = await grant(m, [("b", 2)])
+        evicts = [e for e in logs if e["event"] == "prefix_cache.evict"]
+        assert len(evicts) == 1 and sorted(evicts[0]["blocks"]) == sorted(dict(reply.granted)["b"])
+        # the chain is evicted from its tail: its first blocks are still a usable prefix
+        assert m.arena.peek(HASHES) == 2
+        m.arena.check_invariants()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_restart_voids_the_generators_tables():
+    async with trio.open_nursery() as nursery:
+        m = await started(nursery)
+        to_generator, generator_inbox = trio.open_memory_channel(math.inf)
+        m.generator = to_generator
+        first = (await grant(m, [("a", 1)])).epoch
+        m.fail_in_flight(RuntimeError("boom"))
+        nursery.start_soon(m.run)  # the supervisor's restart
+        with trio.fail_after(5):
+            msg = await generator_inbox.receive()
+        assert isinstance(msg, KVEpoch) and msg.epoch == first + 1
+        assert (await grant(m, [("b", 1)])).epoch == first + 1 and m.arena.table("a") == ()
         nursery.cancel_scope.cancel()
 
 
@@ -193,10 +234,9 @@ async def answers(config, convos):
                 n.start_soon(one, i, msgs)
         await trio.testing.wait_all_tasks_blocked(cushion=0.02)
         pc = rt.registry.require("tiny").prefix_cache
-        stats = pc.stats() if pc else {}
-        if pc:
-            pc.store.check_invariants()
-            assert not pc.store.owners() and len(pc.inflight) == 0 and pc.inflight.registered_blocks == 0
+        stats = pc.stats()
+        pc.arena.check_invariants()
+        assert not pc.arena.owners() and len(pc.inflight) == 0 and pc.inflight.registered_blocks == 0
     return sorted(out), stats
 
 
@@ -204,31 +244,9 @@ async def test_concurrent_requests_sharing_a_prefix_compute_it_once(tiny_config)
     img = render_image("red", "circle", seed=7)
     system = {"role": "system", "content": "You look at images and answer in one word. " * 4}
     convos = [[system, *ask(img, q)] for q in (Q_COLOR, Q_SHAPE, Q_COLOR + " ", Q_SHAPE + "?")]
-    on, stats = await answers(tiny_config.replace(prefix_cache={"block_size": 8}), convos)
-    off, _ = await answers(tiny_config.replace(prefix_cache={"enabled": False}), convos)
+    on, stats = await answers(tiny_config.replace(kv_cache={"block_size": 8}), convos)
+    off, _ = await answers(tiny_config.replace(kv_cache={"prefix_caching": False}), convos)
     assert [t for _, t, _ in on] == [t for _, t, _ in off]
     hits = sorted(c for _, _, c in on)
     assert hits[0] == 0 and all(c > 0 for c in hits[1:]), hits  # one computed, the others reused
     assert stats["dedup_waits"] >= 1
-
-
-async def test_a_commit_without_free_slots_logs_the_eviction(adapter):
-    from structlog.testing import capture_logs
-
-    block_bytes = PrefixCacheManager(adapter, PrefixCacheConfig(block_size=4, budget_bytes=1)).block_bytes
-    other = [bytes([9, i]) * 8 for i in range(4)]
-    async with trio.open_nursery() as nursery:
-        m = PrefixCacheManager(adapter, PrefixCacheConfig(block_size=4, budget_bytes=4 * block_bytes))
-        nursery.start_soon(m.run)
-        with capture_logs() as logs:
-            m.inbox_send.send_nowait(Commit("a", HASHES, kv_for(adapter, 4, 4, seed=2)))
-            m.inbox_send.send_nowait(Commit("b", tuple(other[:2]), kv_for(adapter, 2, 4, seed=3)))
-            with trio.fail_after(5):  # the copies run on the compute thread
-                while m.store.stats().commits_blocks < 6 or m.store.owners():
-                    await trio.sleep(0.01)
-        evicts = [e for e in logs if e["event"] == "prefix_cache.evict"]
-        dropped = [e for e in logs if e["event"] == "prefix_cache.stale_entry_dropped"]
-        assert len(evicts) == 1 and evicts[0]["entries"] == 2 and len(dropped) == 2
-        assert sorted(evicts[0]["slots"]) == sorted(e["slot"] for e in dropped)
-        m.store.check_invariants()
-        nursery.cancel_scope.cancel()

@@ -65,7 +65,7 @@ async def test_closing_a_stream_aborts_the_sequence(rt):
 async def test_cancelled_non_streaming_caller_aborts_the_sequence(rt):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(partial(rt.chat_completion, colour_question("red"), **LONG))
-        await wait_until(lambda: generator(rt).batch.members, what="the request is decoding")
+        await wait_until(lambda: [s for s in generator(rt).running if s.state.value == "decoding"], what="the request is decoding")
         nursery.cancel_scope.cancel()  # the caller goes away mid-decode
     assert nursery.cancel_scope.cancelled_caught
     await wait_until(lambda: not generator(rt).running)
@@ -85,17 +85,17 @@ async def test_concurrent_requests_interleave(rt):
 
 async def test_generator_crash_fails_in_flight_and_restarts(rt, monkeypatch):
     gen = generator(rt)
-    real = gen.adapter.decode
+    real = gen.adapter.forward_paged
     calls = {"n": 0}
 
     def flaky(*a, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise RuntimeError("injected decode failure")
+            raise RuntimeError("injected forward failure")
         return real(*a, **kw)
 
-    monkeypatch.setattr(gen.adapter, "decode", flaky)
-    with pytest.raises(ServiceUnavailable, match="injected decode failure"):
+    monkeypatch.setattr(gen.adapter, "forward_paged", flaky)
+    with pytest.raises(ServiceUnavailable, match="injected forward failure"):
         await rt.chat_completion(colour_question("red"), **LONG)
     await wait_until(lambda: rt.health().ok)
     c = await rt.chat_completion(colour_question("red"), max_tokens=4, temperature=0)

@@ -14,7 +14,7 @@ from mmserve.errors import InternalError, ServiceUnavailable
 from mmserve.models.demo import (
     BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image)
 from mmserve.actors import faults
-from tests.helpers import ask, assert_nothing_held, image_part
+from tests.helpers import ask, assert_nothing_held, image_part, wait_until
 
 IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[(i // 3) % 3], seed=700 + i) for i in range(8)]
 # one fault every FAULT_EVERY requests, cycling through these: crashes and hangs (a hung step
@@ -52,18 +52,18 @@ async def answer_with_retries(rt, msgs, model, attempts=6):
         except ServiceUnavailable:
             if attempt == attempts - 1:
                 raise
-            await trio.sleep(0.1 * 2 ** attempt)
+            await trio.sleep(0.1 * 2 ** attempt)  # the client's own back-off (simulated client behaviour)
 
 
 async def soak(demo_config, n, seed=0):
     requests = workload(n, seed)
     baseline = {}
-    off = demo_config.replace(prefix_cache={"enabled": False}, encoder_cache={"enabled": False})
+    off = demo_config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})
     async with Runtime.open(off) as rt:
         for i, model, msgs, _, _ in requests:
             baseline[i] = (await rt.chat_completion(msgs, model=model, temperature=0, max_tokens=6)).text
 
-    on = demo_config.replace(prefix_cache={"block_size": 8, "budget_bytes": 40_000},
+    on = demo_config.replace(kv_cache={"block_size": 8, "budget_bytes": 24 * 16384},
                              encoder_cache={"max_entries": 3},
                              supervisor={"restart_backoff_s": 0.02, "stall_timeout_s": STALL_S})
     results = {"ok": 0, "mismatch": [], "failed": 0, "disconnected": 0, "faults": 0}
@@ -100,6 +100,8 @@ async def soak(demo_config, n, seed=0):
                 health["polls"] += 1
                 health["down_episodes"] += was_ok and not ok
                 was_ok = ok
+                # a sampler, like a load balancer's probe: no event marks a health change, and
+                # the test counts the down episodes it sees
                 await trio.sleep(0.002)
 
         try:
@@ -115,14 +117,11 @@ async def soak(demo_config, n, seed=0):
         # truthful health: down at some point whenever an actor died, and never down otherwise
         assert health["down_episodes"] <= restarts and (health["down_episodes"] > 0 or restarts == 0), (health, restarts)
         results["restarts"], results["health_down_episodes"] = restarts, health["down_episodes"]
-        with trio.fail_after(10):
-            while not rt.health().ok:
-                await trio.sleep(0.01)
+        await wait_until(lambda: rt.health().ok, timeout=10, what="healthy after the soak")
         await assert_nothing_held(rt)
         # a hung step's abandoned thread finishes its sleep, then exits: none outlives the soak
-        with trio.fail_after(HANG_S + 5):
-            while sum(t.name.startswith("mmserve-compute") for t in threading.enumerate()) > 1:
-                await trio.sleep(0.05)
+        await wait_until(lambda: sum(t.name.startswith("mmserve-compute") for t in threading.enumerate()) <= 1,
+                         timeout=HANG_S + 5, interval=0.05, what="abandoned compute threads exited")
     print("soak:", {k: (len(v) if isinstance(v, list) else v) for k, v in results.items()})
     assert not results["mismatch"], results["mismatch"][:5]
     assert results["ok"] + results["failed"] + results["disconnected"] == n  # every request ended

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from mmserve.actors.base import Actor
-from mmserve.actors.messages import Abort, ClearCache, EncodeJob, GenerateJob
+from mmserve.actors.messages import ClearCache, EncodeJob, GenerateJob, Release
 from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import key_prefix
 from mmserve.errors import MMServeError
@@ -255,12 +255,12 @@ class Encoder(Actor):
         """The request ends here: what the prefix cache holds for it (pins, registrations) is released."""
         self._registered.discard(job.handle.request_id)
         if job.prefix.registered and self.prefix_cache is not None:
-            self.prefix_cache.send_nowait(Abort(job.handle.request_id))
+            self.prefix_cache.send_nowait(Release(job.handle.request_id))
 
     def fail_in_flight(self, error: MMServeError) -> int:
         if self.prefix_cache is not None:
             for rid in self._registered:
-                self.prefix_cache.send_nowait(Abort(rid))
+                self.prefix_cache.send_nowait(Release(rid))
         self._registered.clear()
         owners = list(self.in_flight)
         failed = super().fail_in_flight(error)

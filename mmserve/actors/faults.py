@@ -30,12 +30,11 @@ POINTS = {
     "encoder.item": "encoder: one image's pixel preprocessing",
     "prefix.lookup": "prefix cache: answering one request's lookup",
     "prefix.commit": "prefix cache: committing one request's blocks",
-    "prefix.write": "prefix cache: writing a commit's second and later blocks into the pool",
-    "generator.hash": "generator: one sequence's block hashes",
-    "generator.prefill": "generator: one sequence's prefill chunk",
+    "generator.hash": "generator: keying one sequence's newly filled blocks",
+    "generator.prefill": "generator: one sequence's prefill chunk (its embeddings for the step)",
     "generator.sample": "generator: sampling one sequence's next token",
     "generator.detokenize": "generator: detokenizing and stop matching one sequence's token",
-    "generator.step": "generator: the batched decode forward (actor-wide: restarts the generator)",
+    "generator.step": "generator: the step's batched forward (actor-wide: restarts the generator)",
 }
 
 

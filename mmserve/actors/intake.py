@@ -16,7 +16,7 @@ import trio
 
 from mmserve.actors.base import Actor
 from mmserve.actors.messages import (
-    Abort, EncodeJob, Lookup, PrefixFailed, PrefixState, RequestHandle, Route, Submit)
+    EncodeJob, Lookup, PrefixFailed, PrefixState, Release, RequestHandle, Route, Submit)
 from mmserve.cache.block_hash import prompt_block_hashes
 from mmserve.cache.keys import image_identity
 from mmserve.actors.faults import fault
@@ -24,7 +24,7 @@ from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip
 
 from mmserve.inputs.image_budget import check_image_size
 from mmserve.models.llava import LlavaAdapter, PromptInputs
-from mmserve.config import LimitsConfig, PrefixCacheConfig
+from mmserve.config import KVCacheConfig, LimitsConfig
 from mmserve.inputs.images import data_url_bytes, open_image
 from mmserve.inputs.remote_images import fetch_images, is_remote_url
 from mmserve.inputs.request import ChatRequest, ImagePart, TextPart
@@ -122,12 +122,12 @@ class Intake(Actor):
     ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
 
     def __init__(self, limits: LimitsConfig, route: Callable[[str], AsyncContextManager[Route]],
-                 prefix: PrefixCacheConfig = PrefixCacheConfig(), lookup_timeout_s: float = 2.0):
+                 kv: KVCacheConfig = KVCacheConfig(), lookup_timeout_s: float = 2.0):
         super().__init__()
         self.limits = limits
-        self.block_size = prefix.block_size if prefix.enabled else None
+        self.block_size = kv.block_size if kv.prefix_caching else None
         # a lookup may wait for another request's commit; past this the request computes alone
-        self.lookup_wait_s = prefix.inflight_wait_s + lookup_timeout_s
+        self.lookup_wait_s = kv.inflight_wait_s + lookup_timeout_s
         self.route = route
         self.limiter = trio.CapacityLimiter(limits.decode_concurrency)
         self.fetch_limiter = trio.CapacityLimiter(limits.remote_image_policy.fetch_concurrency)
@@ -233,7 +233,7 @@ class Intake(Actor):
         if handle.active:
             route.encoder.send_nowait(EncodeJob(handle, prompt, prefix))
         elif prefix.registered:
-            route.prefix_cache.send_nowait(Abort(handle.request_id))
+            route.prefix_cache.send_nowait(Release(handle.request_id))
 
     async def _look_up(self, handle: RequestHandle, prefix_cache, hashes: tuple[bytes, ...],
                        prompt_len: int) -> PrefixState | None:
@@ -252,7 +252,7 @@ class Intake(Actor):
             if isinstance(answer, PrefixFailed):
                 self.fail_request(handle, answer.error, answer.stage)
                 return None
-            return PrefixState(hashes, answer.blocks * self.block_size, answer.source, registered=True)
-        # pins granted after this are the request's still: its final Commit or Abort releases them
+            return PrefixState(hashes, answer.blocks, len(answer.blocks) * self.block_size, True, answer.epoch)
+        # blocks granted after this are the request's still: its Release (at its end) frees them
         self.log.warning("intake.lookup_timeout", request_id=handle.request_id, waited_s=self.lookup_wait_s)
         return PrefixState(hashes, registered=True)

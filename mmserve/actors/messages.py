@@ -13,13 +13,10 @@ from typing import Any
 import torch
 import trio
 
-from transformers.cache_utils import Cache
-
 from mmserve.errors import MMServeError
 from mmserve.inputs.request import ChatRequest
 from mmserve.models.llava import PromptInputs
 
-KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), [1, heads, seq, dim]
 
 
 @dataclass(frozen=True)
@@ -102,34 +99,9 @@ class RequestHandle:
 
 
 @dataclass(frozen=True)
-class PinnedBlocks:
-    """A read-only view of a hit's slots in the pool, valid while the requester holds the pins the
-    lookup took: a pinned slot is never evicted, so never rewritten (after a crash the manager
-    starts a new pool; the old one is no longer written either). The requester copies from it in
-    its own worker thread, into its own cache, saving a hop through this actor."""
-
-    keys: torch.Tensor    # the pool, [layers, heads, slots, block, dim]
-    values: torch.Tensor
-    slots: tuple[int, ...]
-
-    def copy_into(self, cache: Cache) -> int:
-        """Writes the blocks, in order, into the first columns of an empty buffered batch-1
-        cache; returns the number of tokens."""
-        _, heads, _, block, dim = self.keys.shape
-        n = len(self.slots) * block
-        idx = torch.tensor(self.slots, device=self.keys.device)
-        for i, layer in enumerate(cache.layers):
-            layer.reserve(n)
-            torch.index_select(self.keys[i], 1, idx, out=layer.kbuf[0, :, :n].view(heads, len(self.slots), block, dim))
-            torch.index_select(self.values[i], 1, idx, out=layer.vbuf[0, :, :n].view(heads, len(self.slots), block, dim))
-            layer.set_length(n)
-        return n
-
-
-@dataclass(frozen=True)
 class PrefixFailed:
     """Manager → the request's `reply` channel: handling its lookup or commit raised. The manager
-    has released the request's pins and forgotten it; the request fails alone."""
+    has released the request's blocks and forgotten it; the request fails alone."""
 
     request_id: str
     stage: str
@@ -137,20 +109,10 @@ class PrefixFailed:
 
 
 @dataclass(frozen=True)
-class LookupResult:
-    """Manager → the lookup's `reply` channel: the request's cached prefix, pinned for it."""
-
-    request_id: str
-    blocks: int
-    source: PinnedBlocks | None = None
-    waited_s: float = 0.0  # time parked on another request computing the same blocks
-
-
-@dataclass(frozen=True)
 class Lookup:
-    """The longest cached prefix of `hashes`. On a miss the request is registered as computing the
-    missing blocks; when another request already is, the lookup waits for its commit (in-flight
-    dedup)."""
+    """The longest cached prefix of `hashes`, its blocks referenced for the request (they start its
+    block table). On a miss the request is registered as computing the missing blocks; when
+    another request already is, the lookup waits for its commit (in-flight dedup)."""
 
     request_id: str
     hashes: tuple[bytes, ...]
@@ -159,32 +121,74 @@ class Lookup:
 
 
 @dataclass(frozen=True)
-class Commit:
-    """The sequence's full blocks, to be cached. Sent once the prompt is prefilled (so requests
-    waiting on those blocks proceed at once) and again at the end with the generated tokens'."""
+class LookupResult:
+    """Manager → the lookup's `reply` channel: the blocks of the request's cached prefix, in order
+    (zero bytes copied: they become the first entries of its block table)."""
 
     request_id: str
-    hashes: tuple[bytes, ...]
-    kv: KV
+    blocks: tuple[int, ...] = ()
+    waited_s: float = 0.0  # time parked on another request computing the same blocks
+    epoch: int = 0  # the manager's life: blocks from another epoch mean nothing
+
+
+@dataclass(frozen=True)
+class Allocate:
+    """Generator → manager, once per step: `needs` new blocks per request, most urgent first (decode
+    tokens of the oldest sequences, then prefill chunks). Granted in that order until the arena
+    cannot give the next one; that one and every later one are refused."""
+
+    needs: tuple[tuple[str, int], ...]
+    reply: trio.MemorySendChannel
+
+
+@dataclass(frozen=True)
+class Allocated:
+    granted: tuple[tuple[str, tuple[int, ...]], ...]
+    refused: tuple[str, ...]
+    epoch: int
+    free_blocks: int
+
+
+@dataclass(frozen=True)
+class KVEpoch:
+    """Manager → generator, first thing after a restart: block tables of earlier epochs are void
+    (the fresh bookkeeping may hand their blocks to anyone)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The request's blocks at these table indices are full and hold the KV their hashes name:
+    bookkeeping (hash → block), zero bytes copied. Requests waiting for them go on."""
+
+    request_id: str
+    blocks: tuple[tuple[int, bytes], ...]  # (index in its block table, block hash)
     reply: trio.MemorySendChannel | None = None  # where a failure is reported (PrefixFailed)
     label: str | None = None
 
 
 @dataclass(frozen=True)
-class Abort:
+class Release:
+    """The request holds no more than the first `keep` blocks of its table (0: none — it finished,
+    aborted or failed; more: it was preempted and keeps the blocks it cannot recompute). Its
+    committed blocks stay cached, evictable; no entry is touched."""
+
     request_id: str
+    keep: int = 0
 
 
 @dataclass(frozen=True)
 class PrefixState:
-    """What the prefix cache knows of one request, from intake to generator: the prompt's full-block
-    hashes, the cached prefix pinned for it (`hit_tokens`, read through `source`), and whether the
-    manager holds anything for it (pins, registrations) that a final Commit or Abort must settle."""
+    """What the KV cache holds for one request, from intake to generator: the prompt's full-block
+    hashes, the blocks of its cached prefix (the start of its block table, `hit_tokens` long), and
+    whether the manager holds anything for it that a Release must settle."""
 
     hashes: tuple[bytes, ...] = ()
+    blocks: tuple[int, ...] = ()
     hit_tokens: int = 0
-    source: PinnedBlocks | None = None
     registered: bool = False
+    epoch: int | None = None
 
     def covers(self, start: int, length: int) -> bool:
         """Whether the hit holds every placeholder of an image at [start, start + length)."""

@@ -1,5 +1,5 @@
-"""One request in the generator: its state (one enum, checked at every transition), its KV and
-its tokens. The generator owns every Sequence alone; nothing else reads or writes one."""
+"""One request in the generator: its state (one enum, checked at every transition), its block
+table in the KV arena, and its tokens. The generator owns every Sequence alone."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache
 
-from mmserve.actors.messages import GenerateJob, PinnedBlocks, RequestHandle
+from mmserve.actors.messages import GenerateJob, RequestHandle
+from mmserve.cache.block_hash import BlockChain
 from mmserve.generation.stops import TextAssembler
 
 
 class SeqState(enum.Enum):
-    PREFILLING = "prefilling"  # admitted: its prompt's KV is computed a chunk per step
-    DECODING = "decoding"      # in the decode batch: one token per step
+    PREFILLING = "prefilling"  # its KV is computed a chunk per step (at admission, or after a preemption)
+    DECODING = "decoding"      # one token per step
     FINISHED = "finished"      # ended with a finish reason (stop, length)
     FAILED = "failed"          # handling it raised: its caller got the error
     ABORTED = "aborted"        # its caller went away (or was answered by someone else)
@@ -23,7 +23,8 @@ class SeqState(enum.Enum):
 
 _NEXT = {
     SeqState.PREFILLING: {SeqState.DECODING, SeqState.FINISHED, SeqState.FAILED, SeqState.ABORTED},
-    SeqState.DECODING: {SeqState.FINISHED, SeqState.FAILED, SeqState.ABORTED},
+    # preempted: its blocks freed, it is prefilled again later (the prefix cache makes that cheap)
+    SeqState.DECODING: {SeqState.PREFILLING, SeqState.FINISHED, SeqState.FAILED, SeqState.ABORTED},
 }
 LIVE = frozenset(_NEXT)
 
@@ -33,21 +34,27 @@ class Sequence:
     job: GenerateJob
     assembler: TextAssembler
     rng: torch.Generator | None
+    order: int  # admission order: the oldest go first, the newest is preempted first
+    chain: BlockChain | None  # how its blocks are keyed (None: no prefix caching)
     state: SeqState = SeqState.PREFILLING
-    cache: Cache | None = None  # own KV (batch 1, in place) while outside the decode batch
-    kv_len: int = 0  # tokens whose KV exists
-    hit: PinnedBlocks | None = None  # the cached prefix, until copied into `cache`
-    embeds: torch.Tensor | None = None  # prompt embeddings after the cached prefix, until prefilled
-    ticket_open: bool = False  # the prefix cache holds something for it until a Commit or Abort
-    tokens: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # prompt, then the answer so far
+    table: list[int] = field(default_factory=list)  # its blocks in the arena, in order
+    kv_len: int = 0  # tokens whose KV is in its blocks
+    hashes: list[bytes] = field(default_factory=list)  # keys of its full blocks (the prompt's first)
+    committed: int = 0  # blocks of its table the manager knows the hash of
+    epoch: int | None = None  # the manager's life its table belongs to
+    registered: bool = False  # the manager holds something for it until a Release
     first_token_at: float | None = None
     last_token_at: float | None = None
 
     @classmethod
-    def admit(cls, job: GenerateJob, assembler: TextAssembler, rng: torch.Generator | None) -> "Sequence":
-        """A new sequence, its cached prefix (pinned by intake's lookup) standing in for its first tokens."""
+    def admit(cls, job: GenerateJob, assembler: TextAssembler, rng: torch.Generator | None, order: int,
+              chain: BlockChain | None) -> "Sequence":
+        """A new sequence whose cached prefix (found by intake's lookup) starts its block table."""
         prefix = job.prefix
-        return cls(job, assembler, rng, kv_len=prefix.hit_tokens, hit=prefix.source, ticket_open=prefix.registered)
+        return cls(job, assembler, rng, order, chain, ids=list(job.prompt.input_ids), table=list(prefix.blocks),
+                   kv_len=prefix.hit_tokens, hashes=list(prefix.hashes), committed=len(prefix.blocks),
+                   epoch=prefix.epoch if prefix.blocks else None, registered=prefix.registered)
 
     def move(self, to: SeqState) -> None:
         """The one way a sequence changes state; a transition its life does not allow is a bug."""
@@ -68,29 +75,37 @@ class Sequence:
         return self.job.handle.client_request_id
 
     @property
-    def hit_tokens(self) -> int:
-        return self.job.prefix.hit_tokens
-
-    @property
-    def prompt_hashes(self) -> tuple[bytes, ...]:
-        return self.job.prefix.hashes
+    def params(self):
+        return self.handle.request.sampling
 
     @property
     def prompt_len(self) -> int:
         return len(self.job.prompt.input_ids)
 
     @property
-    def params(self):
-        return self.handle.request.sampling
+    def tokens(self) -> list[int]:
+        return self.ids[self.prompt_len:]
 
     @property
-    def last_token(self) -> int:
-        return self.tokens[-1]
+    def hit_tokens(self) -> int:
+        return self.job.prefix.hit_tokens
+
+    @property
+    def target_len(self) -> int:
+        """Tokens whose KV a prefill computes: everything so far (after a preemption the answer too)."""
+        return len(self.ids)
+
+    @property
+    def table_len(self) -> int:
+        return len(self.table)
 
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.tokens)
 
-    @property
-    def prefilled(self) -> bool:
-        return self.kv_len >= self.prompt_len
+    def unrecomputable_blocks(self, block_size: int) -> int:
+        """Blocks a preemption must keep: those holding an image whose encoder output this sequence
+        never had (its cached prefix covered the image whole), so it could not prefill it again."""
+        ends = [span.start + span.length for span, emb in zip(self.job.prompt.spans, self.job.image_embeds)
+                if emb is None]
+        return -(-max(ends) // block_size) if ends else 0

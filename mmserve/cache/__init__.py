@@ -38,7 +38,7 @@ from mmserve.cache.keys import (
     mm_hash_image,
     processor_digest,
 )
-from mmserve.cache.kv_store import KVBlockStore, KVSlotInfo, KVStoreStats
+from mmserve.cache.block_arena import ArenaFull, ArenaStats, BlockArena
 from mmserve.cache.signature import MODEL_SIG_LAYOUT_VERSION, WeightFile, model_sig, model_sig_from_parts
 
 __all__ = [
@@ -74,7 +74,7 @@ __all__ = [
     "root_hash",
     "tensor_nbytes",
     "validate_placeholders",
-    "KVBlockStore",
-    "KVSlotInfo",
-    "KVStoreStats",
+    "BlockArena",
+    "ArenaFull",
+    "ArenaStats",
 ]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.config.checks import BUILTIN_PREFIX, check_model_path
-from mmserve.config.sections import SECTIONS, Config, ModelConfig
+from mmserve.config.sections import SECTIONS, Config, KVCacheConfig, ModelConfig, kv_cache_from_prefix_cache
 
 
 
@@ -33,6 +33,11 @@ def config_from_dict(raw: dict, base_dir: Path | None = None) -> Config:
     """Builds a Config from parsed TOML, checking every key (ValueError names the section, the key
     and the value); relative model paths resolve against `base_dir`, and must exist."""
     raw = dict(raw)
+    if "prefix_cache" in raw:  # deprecated: its keys moved to [kv_cache]
+        old = raw.pop("prefix_cache")
+        if not isinstance(old, dict):
+            raise ValueError(f"config [prefix_cache]: must be a table, got {old!r}")
+        raw["kv_cache"] = {**kv_cache_from_prefix_cache(old, KVCacheConfig()), **raw.get("kv_cache", {})}
     kwargs: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         if name in raw:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,30 +183,51 @@ class EncoderCacheConfig:
 
 
 @dataclass(frozen=True)
-class PrefixCacheConfig:
-    enabled: bool = True
-    block_size: int = 16
+class KVCacheConfig:
+    """The KV arena of each model: running sequences' KV and cached prefixes in one budget."""
+
     budget_bytes: int = 256 * 1024 * 1024
+    block_size: int = 16
+    prefix_caching: bool = True
     inflight_wait_s: float = 10.0  # wait this long for blocks another request is computing; 0: never wait
     hash: str = "xxh3_128"  # "xxh3_128" | "sha256": the hash of block and multimodal content keys
 
     def __post_init__(self) -> None:
-        w = "[prefix_cache]"
-        check_bool(w, "enabled", self.enabled)
+        w = "[kv_cache]"
+        check_int(w, "budget_bytes", self.budget_bytes, 1)
         check_int(w, "block_size", self.block_size, 1, 4096)
-        check_int(w, "budget_bytes", self.budget_bytes, 0)
+        check_bool(w, "prefix_caching", self.prefix_caching)
         check_number(w, "inflight_wait_s", self.inflight_wait_s, 0)
         check_choice(w, "hash", self.hash, HASH_ALGORITHMS)
 
 
+# `[prefix_cache]` (until 0.1): its keys, renamed, now live in `[kv_cache]`
+DEPRECATED_PREFIX_CACHE_KEYS = {"enabled": "prefix_caching", "block_size": "block_size", "budget_bytes": "budget_bytes",
+                                "inflight_wait_s": "inflight_wait_s", "hash": "hash"}
+
+
+def kv_cache_from_prefix_cache(values: dict, current: "KVCacheConfig", where: str = "[prefix_cache]") -> dict:
+    """`[prefix_cache]` keys as `[kv_cache]` keys, with a deprecation warning naming each."""
+    unknown = sorted(set(values) - set(DEPRECATED_PREFIX_CACHE_KEYS))
+    if unknown:
+        raise ValueError(f"config {where}: unknown key(s) {unknown}; known: {sorted(DEPRECATED_PREFIX_CACHE_KEYS)}")
+    renamed = {DEPRECATED_PREFIX_CACHE_KEYS[k]: v for k, v in values.items()}
+    warnings.warn(f"config {where} is deprecated: use [kv_cache] "
+                  + ", ".join(f"{DEPRECATED_PREFIX_CACHE_KEYS[k]} (was {k})" for k in values), DeprecationWarning,
+                  stacklevel=3)
+    return renamed
+
+
 @dataclass(frozen=True)
 class GeneratorConfig:
-    prefill_chunk_tokens: int = 512
-    lookup_timeout_s: float = 2.0  # a prefix-cache look-up slower than this is treated as a miss
+    max_batched_tokens: int = 2048  # tokens one forward carries: decode tokens first, then prefill chunks
+    max_running_requests: int = 256  # sequences holding KV blocks at once
+    lookup_timeout_s: float = 2.0  # a KV-cache answer slower than this is treated as a miss (or a skipped step)
 
     def __post_init__(self) -> None:
         w = "[generator]"
-        check_int(w, "prefill_chunk_tokens", self.prefill_chunk_tokens, 1)
+        check_int(w, "max_batched_tokens", self.max_batched_tokens, 1)
+        check_int(w, "max_running_requests", self.max_running_requests, 1)
         check_number(w, "lookup_timeout_s", self.lookup_timeout_s, 0, lo_open=True)
 
 
@@ -268,7 +290,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     encoder_cache: EncoderCacheConfig = field(default_factory=EncoderCacheConfig)
-    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -304,6 +326,11 @@ class Config:
     def replace(self, **sections: Any) -> "Config":
         """A copy with whole sections replaced or, given dicts, individual keys overridden."""
         changes = {}
+        if "prefix_cache" in sections:  # the old name of [kv_cache]'s prefix keys
+            old = sections.pop("prefix_cache")
+            merged = dict(sections.get("kv_cache") or {})
+            merged.update(kv_cache_from_prefix_cache(old, self.kv_cache))
+            sections["kv_cache"] = merged
         for key, value in sections.items():
             current = getattr(self, key)
             if isinstance(value, dict) and dataclasses.is_dataclass(current):
@@ -317,7 +344,7 @@ SECTIONS = {
     "runtime": RuntimeConfig,
     "limits": LimitsConfig,
     "encoder_cache": EncoderCacheConfig,
-    "prefix_cache": PrefixCacheConfig,
+    "kv_cache": KVCacheConfig,
     "generator": GeneratorConfig,
     "supervisor": SupervisorConfig,
     "logging": LoggingConfig,

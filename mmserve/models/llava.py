@@ -17,12 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local directori
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
-from transformers.cache_utils import Cache
+
 from transformers.utils import logging as hf_logging
 
 from mmserve.cache.keys import check_hash_algorithm, processor_digest
 from mmserve.cache.signature import model_sig
-from mmserve.models.kv_buffer import buffered_cache, empty_buffers
 
 hf_logging.disable_progress_bar()
 
@@ -208,11 +207,6 @@ class LlavaAdapter:
         for pos, rows in pieces:
             embeds[0, pos : pos + rows.shape[0]] = rows.to(embeds.dtype)
         return embeds
-
-    def new_cache(self, capacity: int) -> Cache:
-        """An empty batch-1 KV cache with room for `capacity` tokens (it grows if needed)."""
-        bufs = empty_buffers(self.kv_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
-        return buffered_cache(bufs, 0)
 
     @torch.inference_mode()
     def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None = None, start: int = 0) -> StepOutput:

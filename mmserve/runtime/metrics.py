@@ -36,6 +36,8 @@ class Metrics:
                                          registry=self.registry)
         self.success = Counter("mmserve:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        self.preemptions = Counter("mmserve:num_preemptions", "Sequences preempted when the KV arena ran out "
+                                   "of blocks (recomputed later).", label, registry=self.registry)
 
     def attach(self, runtime: "Runtime") -> None:
         self.registry.register(_RuntimeCollector(runtime))
@@ -47,6 +49,9 @@ class Metrics:
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
         self.success.labels(model, reason).inc()
+
+    def preempted(self, model: str) -> None:
+        self.preemptions.labels(model).inc()
 
     def token_gap(self, model: str, seconds: float) -> None:
         self.itl.labels(model).observe(seconds)
@@ -88,13 +93,12 @@ class _RuntimeCollector:
             enc_bytes.add_metric([name], enc.get("bytes_in_use", 0))
             mq.add_metric([name], enc.get("hits", 0) + enc.get("misses", 0))
             mh.add_metric([name], enc.get("hits", 0))
-            if m.prefix_cache is not None:
-                pc = m.prefix_cache.stats()
-                slots = pc["num_slots"] or 1
-                kv_usage.add_metric([name], pc["pinned_slots"] / slots)
-                kv_evictable.add_metric([name], (pc["entries"] - pc["pinned_slots"]) / slots)
-                pq.add_metric([name], pc["query_tokens"])
-                ph.add_metric([name], pc["hit_tokens"])
+            kv = m.prefix_cache.stats()
+            blocks = kv["num_blocks"] or 1
+            kv_usage.add_metric([name], kv["referenced_blocks"] / blocks)
+            kv_evictable.add_metric([name], kv["evictable_blocks"] / blocks)
+            pq.add_metric([name], kv["query_tokens"])
+            ph.add_metric([name], kv["hit_tokens"])
         yield from (running, waiting, kv_usage, kv_evictable, enc_bytes, pq, ph, mq, mh)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():

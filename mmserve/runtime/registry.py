@@ -27,7 +27,7 @@ from mmserve.runtime.supervisor import Supervisor
 class LoadedModel:
     config: ModelConfig
     adapter: LlavaAdapter
-    actors: dict[str, Actor]  # "encoder", "generator" and, when enabled, "prefix_cache"
+    actors: dict[str, Actor]  # "encoder", "generator", "prefix_cache" (the KV arena's manager)
     last_used: float = field(default_factory=time.monotonic)
     leases: int = 0  # requests routed here whose first message is not yet in an actor's inbox
 
@@ -44,8 +44,8 @@ class LoadedModel:
         return self.actors["generator"]
 
     @property
-    def prefix_cache(self) -> PrefixCacheManager | None:
-        return self.actors.get("prefix_cache")
+    def prefix_cache(self) -> PrefixCacheManager:
+        return self.actors["prefix_cache"]
 
     def actor_key(self, role: str) -> str:
         return f"{role}[{self.name}]"
@@ -153,7 +153,7 @@ class ModelRegistry:
         torch.set_num_threads(1)
         rc = self.config.runtime
         return LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
-                            hash_algorithm=self.config.prefix_cache.hash)
+                            hash_algorithm=self.config.kv_cache.hash)
 
     def _warn_if_unbounded(self, adapter: LlavaAdapter) -> None:
         try:

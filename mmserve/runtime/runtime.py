@@ -27,6 +27,7 @@ from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, Overloaded, ServiceUnavailable
 from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.logs import get_logger
+from mmserve.models.paged import KVArena
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
@@ -45,7 +46,7 @@ class Runtime:
         self.supervisor = Supervisor(config.supervisor)
         self.supervisor.attach(nursery)
         self.registry = ModelRegistry(config, self.supervisor, self._build_actors)
-        self.intake = Intake(config.limits, self._route, config.prefix_cache, config.generator.lookup_timeout_s)
+        self.intake = Intake(config.limits, self._route, config.kv_cache, config.generator.lookup_timeout_s)
         self.log = get_logger("runtime")
         self.started = time.time()
         self._live: set[RequestHandle] = set()
@@ -113,16 +114,15 @@ class Runtime:
         return [h for h in self._live if h.active]
 
     def _build_actors(self, adapter) -> dict:
-        pc = self.config.prefix_cache
-        actors = {}
-        if pc.enabled:
-            actors["prefix_cache"] = PrefixCacheManager(adapter, pc)
-        generator = Generator(adapter, actors["prefix_cache"].inbox_send if pc.enabled else None, pc,
-                              self.config.generator, self.metrics)
-        actors["encoder"] = Encoder(adapter, generator.inbox_send, self.config.encoder_cache,
-                                    actors["prefix_cache"].inbox_send if pc.enabled else None)
-        actors["generator"] = generator
-        return actors
+        """One model's actors around its KV arena: the tensors go to the generator, the
+        bookkeeping of the same blocks to the cache manager."""
+        kv = self.config.kv_cache
+        arena = KVArena.for_model(adapter, kv.budget_bytes, kv.block_size)
+        manager = PrefixCacheManager(adapter.name, kv, arena.num_blocks)
+        generator = Generator(adapter, manager.inbox_send, arena, kv, self.config.generator, self.metrics)
+        manager.generator = generator.inbox_send
+        encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
+        return {"prefix_cache": manager, "encoder": encoder, "generator": generator}
 
     @asynccontextmanager
     async def _route(self, model: str):
@@ -148,7 +148,7 @@ class Runtime:
     def stats(self) -> dict[str, dict]:
         """Per loaded model: its encoder's and encoder cache's counters."""
         return {name: {"encoder": m.encoder.stats(),
-                       "prefix_cache": m.prefix_cache.stats() if m.prefix_cache else {"enabled": False}}
+                       "prefix_cache": m.prefix_cache.stats()}
                 for name, m in self.registry.loaded.items()}
 
     def debug_cache(self, oldest: int = 10) -> dict:
@@ -160,12 +160,10 @@ class Runtime:
             if enc.cache is not None:
                 entry["encoder_cache"]["oldest"] = [e._asdict() if hasattr(e, "_asdict") else e.__dict__
                                                     for e in enc.cache.snapshot()[:oldest]]
-            if m.prefix_cache is not None:
-                pc = m.prefix_cache
-                snap = sorted((s for s in pc.store.snapshot() if s.lru_rank is not None), key=lambda s: s.lru_rank)
-                entry["prefix_cache"] = dict(pc.stats(), slots_in_use=pc.num_slots - pc.store.free_slots(),
-                                             pinned_owners=len(pc.store.owners()),
-                                             oldest=[s._asdict() for s in snap[:oldest]])
+            arena = m.prefix_cache.arena
+            snap = sorted((s for s in arena.snapshot() if s.lru_rank is not None), key=lambda s: s.lru_rank)
+            entry["prefix_cache"] = dict(m.prefix_cache.stats(), owners_holding_blocks=len(arena.owners()),
+                                         oldest=[s._asdict() for s in snap[:oldest]])
             out[name] = entry
         return out
 
