@@ -121,3 +121,32 @@ def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
     assert not any(t.is_alive() for t in threads), "a conversation never ended"
     assert not mismatches, mismatches[:3]
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
+
+
+def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact(runtimes):
+    """16 conversations at once in an arena that holds a few of them: blocks run out, the newest
+    sequences are preempted and recomputed, cached blocks are evicted — and every answer equals
+    its cache-off answer, with nothing held afterwards."""
+    on, off = runtimes
+    images = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=1300 + i) for i in range(16)]
+    convos = [("demo" if i % 4 else "demo-wide",
+               [{"role": "user", "content": [image_part(img), {"type": "text", "text": SINGLE[i % 3]}]}])
+              for i, img in enumerate(images)]
+    expected = [off.chat_completion(m, model=model, temperature=0, max_tokens=8, min_tokens=8).text for model, m in convos]
+    before = sum(on.runtime.registry.require(n).generator.preemptions for n in ("demo", "demo-wide")
+                 if n in on.runtime.registry.loaded)
+    got: list = [None] * len(convos)
+
+    def one(i):
+        model, m = convos[i]
+        got[i] = on.chat_completion(m, model=model, temperature=0, max_tokens=8, min_tokens=8).text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(convos))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == expected
+    after = sum(on.runtime.registry.require(n).generator.preemptions for n in ("demo", "demo-wide"))
+    assert after > before, "the arena was large enough: nothing was preempted"
+    trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)

@@ -29,7 +29,7 @@ START_TIMEOUT_S = 180
 def bench_config(model_dir: Path, threads: int, prefix: bool = True, encoder: bool = True) -> Config:
     """One model, named `bench`, with the prefix and encoder caches on or off."""
     return Config(models=(ModelConfig(MODEL, str(Path(model_dir).resolve()), default=True),)).replace(
-        runtime={"torch_threads": threads}, prefix_cache={"enabled": prefix}, encoder_cache={"enabled": encoder},
+        runtime={"torch_threads": threads}, kv_cache={"prefix_caching": prefix}, encoder_cache={"enabled": encoder},
         server={"host": "127.0.0.1", "port": 0}, logging={"format": "json", "level": "info"})
 
 
@@ -81,7 +81,7 @@ async def inprocess_server(config: Config) -> AsyncIterator[str]:
 async def subprocess_server(config: Config, workdir: Path) -> AsyncIterator[str]:
     """`mmserve serve` in its own process; its log goes to `workdir/server-*.log`. Yields its URL."""
     workdir.mkdir(parents=True, exist_ok=True)
-    tag = f"p{int(config.prefix_cache.enabled)}e{int(config.encoder_cache.enabled)}"
+    tag = f"p{int(config.kv_cache.prefix_caching)}e{int(config.encoder_cache.enabled)}"
     cfg, log = workdir / f"server-{tag}.toml", workdir / f"server-{tag}.log"
     cfg.write_text(config_toml(config))
     with log.open("w") as log_file:
