@@ -38,6 +38,18 @@ def test_bench_writes_reports_with_expected_keys(tmp_path, monkeypatch):
     assert [lv["concurrency"] for lv in levels] == list(params.levels)
     assert {"agg_tps", "ttft_p50_s", "ttft_p99_s", "hf", "ratio_agg_tps"} <= set(levels[0])
     assert levels[-1]["health"]["polls"] >= 1 and levels[-1]["health"]["non_200"] == 0
+    top = max(params.levels)  # batched HF and the embedded run with KV sampling: the top level only
+    assert [lv["concurrency"] for lv in levels if "hf_batched" in lv] == [top]
+    batched = levels[-1]["hf_batched"]
+    assert batched["batch"] == top and batched["new_tokens"] == params.sweep_tokens
+    assert batched["agg_tps"] > 0 and levels[-1]["ratio_agg_tps_batched"] > 0
+    embedded = sc["concurrency"]["embedded"]
+    assert embedded["concurrency"] == top and embedded["ratio_agg_tps_batched"] > 0
+    kv = embedded["kv"]
+    assert kv["samples"] >= 1 and kv["block_bytes"] > 0 and kv["block_size"] > 0
+    peak = kv["at_peak"]
+    assert peak["referenced_blocks"] >= 1 and 0 < peak["held_tokens"] <= peak["referenced_blocks"] * kv["block_size"]
+    assert peak["bytes_in_use"] == peak["referenced_blocks"] * kv["block_bytes"] and peak["ratio"] >= 1
     turns = sc["multiturn"]["turns"]
     assert len(turns) == params.turns
     assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] > 0 for t in turns[1:])
@@ -48,6 +60,13 @@ def test_bench_writes_reports_with_expected_keys(tmp_path, monkeypatch):
 
     metrics = {(r["scenario"], r["metric"]) for r in data["summary"]}
     assert any(s == "3 multi-turn" and "on / off" in m for s, m in metrics)
+    conc = [r["metric"] for r in data["summary"] if r["scenario"] == "2 concurrency"]
+    for metric in (f"aggregate tok/s @{top} vs batched HF", f"TTFT p99 / TTFT p50 @{top}",
+                   f"aggregate tok/s @{top}, embedded vs batched HF", f"KV bytes in use / bytes of tokens held @{top}"):
+        assert any(m.startswith(metric) for m in conc), metric
+    targets = {(r["scenario"], r["metric"].split(": ")[-1].split("(")[0]): r["target"] for r in data["summary"]}
+    assert targets[("1 decode", "decode tok/s, embedded")] == targets[("1 decode", "decode tok/s, http")] == "≥ 1.0"
+    assert targets[("3 multi-turn", "TTFT")] == "≤ 1.05"  # TTFT(hit) / prefill(suffix), turns >= 3
     assert report["paths"]["md"] == str(tmp_path / "report.md")
     md = (tmp_path / "report.md").read_text()
     assert "| scenario | metric | mmserve | baseline | ratio | target | ok |" in md

@@ -88,6 +88,7 @@ class Encoder(Actor):
         """Adds a job to the batch; a control message is handled at once."""
         if isinstance(msg, EncodeJob):
             jobs.append(msg)
+            self.in_flight[msg.handle.request_id] = msg.handle  # held from receipt: not idle, not lost
         elif isinstance(msg, ClearCache):
             dropped = self.cache.clear() if self.cache is not None else []
             self.log.info("encoder_cache.cleared", entries=len(dropped), bytes=sum(n for _, n in dropped),
@@ -117,6 +118,7 @@ class Encoder(Actor):
 
     async def _serve(self, jobs: list[EncodeJob]) -> None:
         for j in [j for j in jobs if not j.handle.active]:
+            self.in_flight.pop(j.handle.request_id, None)
             self._settle_prefix(j)
         jobs = [j for j in jobs if j.handle.active]
         for j in jobs:

@@ -56,6 +56,7 @@ class Generator(Actor):
         self._orders = itertools.count()
         self.steps = 0
         self.preemptions = 0
+        self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
 
     @property
     def running(self) -> list[Sequence]:
@@ -63,6 +64,7 @@ class Generator(Actor):
 
     async def run(self) -> None:
         self.seqs.clear()
+        self._incarnation += 1
         while True:
             await self._take_messages()
             self._drop_aborted()
@@ -161,7 +163,7 @@ class Generator(Actor):
         if not plan:
             return False
         t0 = time.monotonic()
-        results = await compute.run(self._step, plan, abandon_on_cancel=True, owner=self.key)
+        results = await compute.run(self._step, plan, self._incarnation, abandon_on_cancel=True, owner=self.key)
         self.steps += 1
         duration = round(time.monotonic() - t0, 6)
         for p, result in zip(plan, results):
@@ -262,7 +264,7 @@ class Generator(Actor):
 
     # -- the forward (compute thread) ----------------------------------------------------------
 
-    def _step(self, plan: list[Planned]) -> list[int | Exception | None]:
+    def _step(self, plan: list[Planned], incarnation: int) -> list[int | Exception | None]:
         """One forward over every planned sequence's new tokens, then one batched sample of those
         that need a token. A failure of one sequence's own work is reported for it alone."""
         results: list[int | Exception | None] = [None] * len(plan)
@@ -279,6 +281,8 @@ class Generator(Actor):
         if not rows:
             return results
         fault("generator.step")
+        if incarnation != self._incarnation:  # abandoned (a hang, then a restart): its blocks are gone
+            return results
         logits = self.adapter.forward_paged(torch.cat(pieces, dim=1), segments, self.kv)
         wanted = [(r, i) for r, i in enumerate(rows) if plan[i].seq.kv_len + plan[i].tokens == plan[i].seq.target_len]
         for (r, i), token in zip(wanted, self._sample(logits, [(r, plan[i].seq) for r, i in wanted])):

@@ -121,7 +121,7 @@ class Intake(Actor):
     name = "intake"
     ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
 
-    def __init__(self, limits: LimitsConfig, route: Callable[[str], AsyncContextManager[Route]],
+    def __init__(self, limits: LimitsConfig, route: Callable[[RequestHandle], AsyncContextManager[Route]],
                  kv: KVCacheConfig = KVCacheConfig(), lookup_timeout_s: float = 2.0):
         super().__init__()
         self.limits = limits
@@ -193,11 +193,11 @@ class Intake(Actor):
     async def _prepare_one(self, handle: RequestHandle, log) -> None:
         if not handle.active:
             return
-        # the lease keeps the model loaded until the job is in its encoder's inbox
+        # routed: the model stays loaded while the request lives
         async with AsyncExitStack() as stack:
             self.awaiting_load += 1  # a load runs on its own clock (load_timeout_s): not a stall
             try:
-                route = await stack.enter_async_context(self.route(handle.model))
+                route = await stack.enter_async_context(self.route(handle))
             finally:
                 self.awaiting_load -= 1
             self.progressed()

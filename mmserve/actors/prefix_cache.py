@@ -89,14 +89,17 @@ class PrefixCacheManager(Actor):
             self._commit(msg)
 
     def _contain(self, msg: Lookup | Commit, exc: Exception) -> None:
-        """Handling one request's message raised: that request is forgotten (its blocks released,
-        registrations dropped, its waiters answered again) and fails alone. Only bookkeeping whose
+        """Handling one request's message raised: that request is forgotten (registrations dropped,
+        its waiters answered again; a lookup's blocks released) and fails alone. Only bookkeeping whose
         own invariants broke is a fault of this actor: then it raises, and the restart starts
         afresh."""
         self.arena.check_invariants()
         self.inflight.check_invariants()
         rid, stage = msg.request_id, "prefix cache " + ("lookup" if isinstance(msg, Lookup) else "commit")
-        self.arena.free(rid)
+        if isinstance(msg, Lookup):  # the generator never saw these blocks
+            self.arena.free(rid)
+        # a failed commit's blocks stay the generator's until its Release: freed now, they could be
+        # granted to another request while this one still writes into them
         self._done(rid)
         self.log.error("prefix_cache.request_failed", request_id=rid, client_request_id=msg.label, stage=stage,
                        error=f"{type(exc).__name__}: {exc}", exc_info=exc)

@@ -64,6 +64,29 @@ class HFBaseline:
         first, last = clock.times[0], clock.times[-1]
         return Timing(first - start, last - start, len(clock.times))
 
+    @torch.inference_mode()
+    def generate_batch(self, requests: list[list[dict]], tokens: int) -> Timing:
+        """All `requests` (with their images) through the processor at once, left-padded, and one
+        greedy `generate` call of exactly `tokens` new tokens each, timed from the raw requests.
+        The Timing is the batch's: its first and last step (every row gets its token at once);
+        `completion_tokens` is the tokens of one row (steps), checked against the output."""
+        clock = _TokenTimes()
+        start = perf_counter()
+        prompts = [hf_prompt(m) for m in requests]
+        texts = [self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                 for msgs, _ in prompts]
+        images = [img for _, imgs in prompts for img in imgs]
+        inputs = self.processor(text=texts, images=images or None, padding=True, padding_side="left",
+                                return_tensors="pt")
+        out = self.model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                  streamer=clock)
+        first, last = clock.times[0], clock.times[-1]
+        generated = out.shape[1] - inputs["input_ids"].shape[1]
+        if out.shape[0] != len(requests) or generated != tokens or len(clock.times) != tokens:
+            raise RuntimeError(f"batched generate: {out.shape[0]} rows x {generated} new tokens "
+                               f"({len(clock.times)} steps), asked for {len(requests)} x {tokens}")
+        return Timing(first - start, last - start, tokens)
+
 
 class SuffixPrefill:
     """Times `adapter.prefill` of a prompt's suffix on top of a precomputed KV cache of its first

@@ -115,12 +115,14 @@ def sampling(tokens: int, salt: str | None = None) -> dict:
     return body if salt is None else dict(body, cache_salt=salt)
 
 
-async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = None) -> Timing:
-    """One request through the embedded Runtime API, streamed."""
+async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = None, on_delta=None) -> Timing:
+    """One request through the embedded Runtime API, streamed; `on_delta()` is called at every delta."""
     clock = _Clock()
     async with rt.chat(messages, **sampling(tokens, salt)) as stream:
         async for delta in stream:
             clock.text(delta.text, token=delta.finish_reason is None)
+            if on_delta is not None:
+                on_delta()
             if delta.finish_reason is not None:
                 return clock.finish(usage_json(delta.usage))
     raise RuntimeError("the stream ended without a finish reason")

@@ -28,6 +28,7 @@ class Bench:
         self._images = itertools.count()
         self._warmups = itertools.count(WARMUP_IMAGE)
         self._hf: HFBaseline | None = None
+        self._hf_batch_warm = False
         self._ref: SuffixPrefill | None = None
 
     def new_image(self) -> int:
@@ -39,13 +40,26 @@ class Bench:
     # libgomp stops spin-waiting between ops in *every* team, slowing both sides of a comparison
     # by different amounts (a 28-token suffix prefill went from ~24 ms to ~40 ms in this process).
 
-    async def hf_generate(self, messages: list[dict], tokens: int) -> Timing:
-        """Raw transformers `generate` of exactly `tokens` greedy tokens."""
+    async def _hf_baseline(self) -> HFBaseline:
         if self._hf is None:
             self.note("loading HF baseline")
             self._hf = await compute.run(HFBaseline, self.model_dir)
             await compute.run(self._hf.generate, ask(next(self._warmups)), 2)
-        return await compute.run(self._hf.generate, messages, tokens)
+        return self._hf
+
+    async def hf_generate(self, messages: list[dict], tokens: int) -> Timing:
+        """Raw transformers `generate` of exactly `tokens` greedy tokens."""
+        hf = await self._hf_baseline()
+        return await compute.run(hf.generate, messages, tokens)
+
+    async def hf_generate_batch(self, requests: list[list[dict]], tokens: int) -> Timing:
+        """One raw transformers `generate` call over all `requests` (left-padded), exactly `tokens`
+        greedy tokens each; warmed up first by a batch of two (batched shapes differ)."""
+        hf = await self._hf_baseline()
+        if not self._hf_batch_warm:
+            await compute.run(hf.generate_batch, [ask(next(self._warmups)) for _ in range(2)], 2)
+            self._hf_batch_warm = True
+        return await compute.run(hf.generate_batch, requests, tokens)
 
     async def suffix_prefill(self, messages: list[dict], hit: int, repeats: int) -> tuple[float, int]:
         """(median seconds, suffix tokens) of the bare prefill of the prompt's tokens after `hit`."""

@@ -21,6 +21,7 @@ class BenchParams:
     levels: tuple[int, ...] = (1, 2, 4, 8, 16)
     sweep_tokens: int = 128  # a typical chat answer; with short answers the prompt prefill dominates
     health_interval_s: float = 0.02
+    kv_sample_interval_s: float = 0.005  # KV arena usage of the embedded run at the top level (also sampled per delta)
     # 3. multi-turn image chat
     turns: int = 6
     turn_tokens: int = 24
@@ -29,15 +30,18 @@ class BenchParams:
     # 4./5. same image new question; three images in a row
     answer_tokens: int = 16
     image_repeats: int = 2
+    # 6. peer: its concurrency levels (empty: scenario 2's)
+    peer_levels: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 FULL = BenchParams("full")
-QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=2, levels=(1, 4, 8), sweep_tokens=64,
-                turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2)
+QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=3, levels=(1, 4, 8, 16), sweep_tokens=64,
+                turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2,
+                peer_levels=(1, 8))
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
-               levels=(1, 2), sweep_tokens=4, turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4)
+               levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4)
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST)}

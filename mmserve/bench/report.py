@@ -73,7 +73,8 @@ def markdown(report: dict) -> str:
         f"{fmt(meta['loadavg_end'])} at the end; took {meta['duration_s']:.0f} s. torch {meta['torch']}, "
         f"transformers {meta['transformers']}.",
         "Every comparison ran side by side in this run: read the ratios; absolute times on a shared machine mean "
-        "little. Baselines: raw transformers `generate` (scenarios 1-2), the same runtime with the cache off "
+        "little. Baselines: raw transformers `generate` (scenarios 1-2; one request after another, and at the "
+        "top concurrency level also all of them in one batched call), the same runtime with the cache off "
         "(3-5), the cold first request (4), the bare suffix prefill (3). Greedy decoding, fixed lengths "
         "(min_tokens = max_tokens).",
         *_load_warning(meta),
@@ -108,6 +109,7 @@ def _details(sc: dict) -> list[str]:
                  lv["ttft_p99_s"], lv["hf"]["ttft_p50_s"], lv["hf"]["ttft_p99_s"], lv["wall_s"]) for lv in conc["levels"]]
         parts += [f"### 2. Concurrency sweep ({conc['new_tokens']} new tokens per request; HF = same requests, "
                   "sequential; HF TTFT = as if all arrived at once)", table(header, rows)]
+        parts += _top_level_details(conc)
     mt = sc.get("multiturn", {})
     if mt.get("turns"):
         header = ("turn", "prompt tok", "cached tok", "suffix tok", "TTFT on s", "TTFT off s", "prefill(suffix) s",
@@ -124,6 +126,29 @@ def _details(sc: dict) -> list[str]:
     errors = [(name, r.get("error")) for name, r in sc.items() if r.get("status") == "error"]
     if errors:
         parts += ["### Errors", table(("scenario", "error"), errors)]
+    return parts
+
+
+def _top_level_details(conc: dict) -> list[str]:
+    """Scenario 2's top level: batched HF, the embedded run and its KV arena usage."""
+    parts = []
+    batched = [lv for lv in conc["levels"] if "hf_batched" in lv]
+    if batched:
+        lv, hb = batched[0], batched[0]["hf_batched"]
+        parts += [f"HF `generate`, the same {hb['batch']} requests in one left-padded batch: TTFT {fmt(hb['ttft_s'])} s, "
+                  f"wall {fmt(hb['wall_s'])} s, {fmt(hb['agg_tps'])} tok/s; mmserve over HTTP / batched HF: "
+                  f"{fmt(lv['ratio_agg_tps_batched'])}."]
+    e = conc.get("embedded")
+    if e:
+        kv, peak = e["kv"], e["kv"]["at_peak"] or {}
+        header = ("N", "agg tok/s", "TTFT p50 s", "TTFT p99 s", "samples", "blocks in use (peak)", "tokens held",
+                  "MiB in use", "MiB held", "ratio at peak", "worst ratio, all decoding")
+        rows = [(e["concurrency"], e["agg_tps"], e["ttft_p50_s"], e["ttft_p99_s"], kv["samples"],
+                 peak.get("referenced_blocks"), peak.get("held_tokens"),
+                 peak["bytes_in_use"] / 2**20 if peak else None, peak["bytes_held"] / 2**20 if peak else None,
+                 peak.get("ratio"), kv["max_ratio_all_decoding"])]
+        parts += [f"Embedded run of the top level, KV arena sampled (block size {kv['block_size']}, "
+                  f"{kv['block_bytes'] / 2**10:.0f} KiB per block, {kv['num_blocks']} blocks)", table(header, rows)]
     return parts
 
 
@@ -163,6 +188,12 @@ def _plot_concurrency(ax, d: dict) -> None:
     n = [lv["concurrency"] for lv in d["levels"]]
     ax.plot(n, [lv["agg_tps"] for lv in d["levels"]], "o-", label="mmserve HTTP")
     ax.plot(n, [lv["hf"]["agg_tps"] for lv in d["levels"]], "s--", color="C7", label="HF generate, sequential")
+    batched = [lv for lv in d["levels"] if "hf_batched" in lv]
+    if batched:
+        ax.plot([lv["concurrency"] for lv in batched], [lv["hf_batched"]["agg_tps"] for lv in batched], "D",
+                color="C3", label="HF generate, one batch")
+    if d.get("embedded"):
+        ax.plot([d["embedded"]["concurrency"]], [d["embedded"]["agg_tps"]], "^", color="C1", label="mmserve embedded")
     ax.set_xscale("log", base=2)
     ax.set_xticks(n, [str(x) for x in n])
     ax.set_xlabel("concurrent requests")

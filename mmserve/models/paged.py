@@ -168,7 +168,8 @@ class PagedBatch:
                       with length > 1 (mask: query i sees keys [0, start+i]; None from position 0,
                       where SDPA's is_causal is the same mask)
       decode_rows     [D] indices in T of the decode tokens (segments of length 1), or None
-      decode_slots    [D, n_max] their sequences' slots, padded to the longest (with their own new slot)
+      decode_slots    [D, n_max] their sequences' slots, padded to the longest (with their own new slot),
+                      or a slice of the flat arena for one sequence whose slots are consecutive
       decode_mask     [D, 1, 1, n_max] bool, True where a key is real
     """
 
@@ -219,7 +220,7 @@ class PagedBatch:
                 # diagonal is offset by `start`: query i sees keys [0, start+i]
                 mask = None if seg.start == 0 else (
                     k.unsqueeze(0) <= torch.arange(seg.start, seg.end).unsqueeze(1)).to(device)  # [length, end]
-                self.prefill.append((offset, seg.length, slots.to(device), mask))
+                self.prefill.append((offset, seg.length, _as_range(slots) or slots.to(device), mask))
             offset += seg.length
         self.decode_rows = self.decode_slots = self.decode_mask = None
         if decode:
@@ -230,9 +231,24 @@ class PagedBatch:
             # padding repeats the sequence's own new slot: masked keys must still be finite
             # (a never-written slot of a torch.empty arena may hold NaN, and 0 * NaN = NaN)
             k_pos = torch.where(real, k.unsqueeze(0), (kv_len - 1).unsqueeze(1))
-            self.decode_slots = (tables[rows].gather(1, k_pos // bs) * bs + k_pos % bs).to(device)
+            slots = tables[rows].gather(1, k_pos // bs) * bs + k_pos % bs
+            # one sequence whose blocks lie in order (the common single stream): a view, no gather
+            self.decode_slots = (len(decode) == 1 and _as_range(slots[0])) or slots.to(device)
             self.decode_rows = (ends[rows] - 1).to(device)
             self.decode_mask = None if bool(real.all()) else real[:, None, None, :].to(device)
+
+
+def _as_range(slots: torch.Tensor) -> slice | None:
+    """`slots` as a slice of the flat arena when they are consecutive (blocks handed out in order,
+    as the arena does lowest id first): the keys are then read through a view, not gathered."""
+    n = slots.numel()
+    if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n == 1 or bool((slots[1:] - slots[:-1] == 1).all())):
+        return slice(int(slots[0]), int(slots[0]) + n)
+    return None
+
+
+def _keys(buf: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+    return buf[slots] if isinstance(slots, slice) else buf.index_select(0, slots)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -262,17 +278,18 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     for offset, length, slots, mask in batch.prefill:
         # 4-D operands: CPU SDPA takes its fused (flash) kernel only for them; 3-D ones fall back
         # to the math path, ~5x slower for a 300-token chunk
-        k = kbuf.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
-        v = vbuf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        k = _keys(kbuf, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
+        v = _keys(vbuf, slots).transpose(0, 1).unsqueeze(0)
         q = query[:, :, offset : offset + length]  # [1, heads, length, d]
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
                                            scale=scaling, enable_gqa=group > 1)
         out[offset : offset + length] = o[0].transpose(0, 1)
     if batch.decode_rows is not None:
         rows, slots = batch.decode_rows, batch.decode_slots
-        d, n = slots.shape
-        k = kbuf.index_select(0, slots.view(-1)).view(d, n, kv_heads, head_dim).transpose(1, 2)
-        v = vbuf.index_select(0, slots.view(-1)).view(d, n, kv_heads, head_dim).transpose(1, 2)
+        d, n = (1, slots.stop - slots.start) if isinstance(slots, slice) else slots.shape
+        flat = slots if isinstance(slots, slice) else slots.view(-1)
+        k = _keys(kbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
+        v = _keys(vbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
         q = q_all.index_select(1, rows).transpose(0, 1).reshape(d, kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.decode_mask,
                                            scale=scaling)

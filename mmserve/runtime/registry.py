@@ -29,7 +29,7 @@ class LoadedModel:
     adapter: LlavaAdapter
     actors: dict[str, Actor]  # "encoder", "generator", "prefix_cache" (the KV arena's manager)
     last_used: float = field(default_factory=time.monotonic)
-    leases: int = 0  # requests routed here whose first message is not yet in an actor's inbox
+    routed: set = field(default_factory=set)  # handles of requests routed here (until they end)
 
     @property
     def name(self) -> str:
@@ -52,7 +52,8 @@ class LoadedModel:
 
     @property
     def idle(self) -> bool:
-        return not (self.leases or self.generator.running or any(
+        self.routed = {h for h in self.routed if h.active}
+        return not (self.routed or self.generator.running or any(
             a.in_flight or a.inbox.statistics().current_buffer_used for a in self.actors.values()))
 
 
@@ -75,15 +76,12 @@ class ModelRegistry:
         return {name: state(name) for name in self.names()}
 
     @asynccontextmanager
-    async def lease(self, name: str) -> AsyncIterator[LoadedModel]:
-        """The loaded model `name` (loading it if needed), which is not unloaded while held: hold
-        it until the request's first message is in one of the model's inboxes."""
-        model = await self.get(name)
-        model.leases += 1
-        try:
-            yield model
-        finally:
-            model.leases -= 1
+    async def lease(self, handle) -> AsyncIterator[LoadedModel]:
+        """The loaded model of request `handle` (loading it if needed). The model is not unloaded
+        while the request lives, wherever it is between the model's actors."""
+        model = await self.get(handle.model)
+        model.routed.add(handle)
+        yield model
 
     def names(self) -> list[str]:
         return [m.name for m in self.config.models]
@@ -172,7 +170,21 @@ class ModelRegistry:
             self.unload(min(idle, key=lambda m: m.last_used).name)
 
     def unload(self, name: str) -> None:
+        """Stops an idle model's actors. Should a request have reached one after all, it is
+        answered with a 503 (retry: the model loads again), never left waiting."""
         model = self.loaded.pop(name)
-        for role in model.actors:
+        gone = ServiceUnavailable(f"the model {name!r} was unloaded while this request waited for it; retry",
+                                  retry_after_s=1.0)
+        stranded = 0
+        for role, actor in model.actors.items():
             self.supervisor.stop(model.actor_key(role))
-        self.log.info("registry.model_unloaded", model=name)
+            stranded += actor.fail_in_flight(gone)
+            while True:
+                try:
+                    msg = actor.inbox.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                if getattr(msg, "handle", None) is not None:
+                    msg.handle.fail(gone)
+                    stranded += 1
+        self.log.info("registry.model_unloaded", model=name, stranded=stranded)

@@ -125,9 +125,10 @@ class Runtime:
         return {"prefix_cache": manager, "encoder": encoder, "generator": generator}
 
     @asynccontextmanager
-    async def _route(self, model: str):
-        """The model's adapter and encoder inbox, the model leased (not unloaded) meanwhile."""
-        async with self.registry.lease(model) as loaded:
+    async def _route(self, handle: RequestHandle):
+        """The request's model: its adapter and its actors' inboxes (the model is not unloaded
+        while the request lives)."""
+        async with self.registry.lease(handle) as loaded:
             prefix = loaded.prefix_cache
             yield Route(loaded.adapter, loaded.encoder.inbox_send, prefix.inbox_send if prefix else None)
 

@@ -19,9 +19,10 @@ PEER_STEP_TIMEOUT_S = 300  # one decode request or one concurrency level of the 
 
 
 def _peer_levels(p) -> tuple[int, ...]:
-    """The concurrency levels of scenario 6: scenario 2's; in the quick run only the lowest and the
-    highest (1 and 8), to stay within its time budget (every level runs on both servers)."""
-    return (p.levels[0], p.levels[-1]) if p.name == "quick" else p.levels
+    """The concurrency levels of scenario 6: `peer_levels`, else scenario 2's. The quick run has only
+    1 and 8, to stay within its time budget (every level runs on both servers, and the peer serves
+    one request at a time)."""
+    return p.peer_levels or p.levels
 
 
 async def _timed_text(client, url: str, messages: list[dict], tokens: int) -> Timing:
