@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmserve.models.demo import Q_COLOR, Q_FIRST, render_image
-from mmserve.models.kv_buffer import stack_kv
+from tests.kv_reference import stack_kv
 from mmserve.models.llava import LlavaAdapter
 
 

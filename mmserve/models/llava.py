@@ -228,7 +228,9 @@ class LlavaAdapter:
         positions: Sequence[int],
         attention_mask: torch.Tensor | None = None,
     ) -> StepOutput:
-        """One decode step for a batch: token_ids[b] at positions[b], over the batch's cache."""
+        """One decode step for a batch: token_ids[b] at positions[b], over a contiguous cache. The
+        runtime decodes through `forward_paged`; this is the model's own path, the reference the
+        paged one is tested against (and `prefill` serves the benchmark's baselines)."""
         ids = torch.tensor([[t] for t in token_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device)
         embeds = self.model.get_input_embeddings()(ids)

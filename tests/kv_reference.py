@@ -1,4 +1,6 @@
-"""A batch KV cache in preallocated buffers, written in place.
+"""The reference batched KV cache for tests: the contiguous, left-padded cache the runtime used
+before the paged KV arena. Tests build one with `stack_kv` to check `LlavaAdapter.decode` and the
+paged attention against transformers' own batched forward.
 
 transformers' `DynamicLayer` concatenates the whole cache with each new token, so every decode
 step copies every sequence's KV once more; with 8 sequences of a few hundred tokens that copy
@@ -91,26 +93,6 @@ def stack_kv(kvs: Sequence[KV], capacity: int = 0) -> tuple[Cache, torch.Tensor]
     return Cache(layers=layers), mask
 
 
-def own_kv(cache: Cache) -> KV:
-    """A batch-1 cache's filled part, per layer (views)."""
-    return tuple((layer.keys, layer.values) for layer in cache.layers)
-
-
-def row_kv(cache: Cache, row: int, length: int) -> KV:
-    """Row `row`'s last `length` columns of every layer, [1, heads, length, dim] (views)."""
-    end = cache.layers[0].length
-    return tuple((layer.keys[row : row + 1, :, end - length :], layer.values[row : row + 1, :, end - length :])
-                 for layer in cache.layers)
-
-
 def buffered_cache(buffers: KV, length: int) -> Cache:
     """A batch-1 cache over per-layer (keys, values) buffers whose first `length` columns hold KV."""
     return Cache(layers=[BufferedLayer(k, v, length) for k, v in buffers])
-
-
-def empty_buffers(layers: int, heads: int, head_dim: int, capacity: int,
-                  dtype: torch.dtype, device: torch.device) -> KV:
-    """Per-layer (keys, values) buffers [1, heads, capacity, head_dim] (rounded up), unfilled."""
-    shape = (1, heads, _rounded(max(capacity, 1)), head_dim)
-    return tuple((torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                 for _ in range(layers))
