@@ -84,7 +84,7 @@ async def test_misses_from_different_requests_share_one_forward(tiny_config):
 
 
 async def test_uncacheable_items_are_encoded_fresh_and_never_stored(tiny_config, monkeypatch):
-    monkeypatch.setattr("mmserve.actors.intake.image_identity", lambda *a, **k: None)
+    monkeypatch.setattr("mmserve.models.adapter.image_identity", lambda *a, **k: None)
     img = render_image("red", "square", seed=4)
     async with Runtime.open(tiny_config) as rt:
         for _ in range(2):

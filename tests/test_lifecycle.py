@@ -178,7 +178,7 @@ async def test_the_restart_backoff_resets_after_a_healthy_run(autojump_clock):
 async def test_a_slow_load_is_not_a_stall_and_models_shows_loading(tiny_config, monkeypatch):
     from mmserve.runtime import registry
 
-    real = registry.LlavaAdapter
+    real = registry.load_adapter
     loading = threading.Event()
 
     def slow(*args, **kwargs):
@@ -186,7 +186,7 @@ async def test_a_slow_load_is_not_a_stall_and_models_shows_loading(tiny_config, 
         time.sleep(1.2)  # a large checkpoint (simulated): longer than the stall timeout below
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(registry, "LlavaAdapter", slow)
+    monkeypatch.setattr(registry, "load_adapter", slow)
     lazy = tiny_config.replace(models=(ModelConfig("tiny", tiny_config.models[0].path, default=True, load="on_demand"),),
                                supervisor={"stall_timeout_s": 0.4})
     async with Runtime.open(lazy) as rt:
@@ -211,7 +211,7 @@ async def test_a_load_past_its_timeout_is_a_503(tiny_config, monkeypatch):
         ended.set()
         raise OSError("gave up")
 
-    monkeypatch.setattr(registry, "LlavaAdapter", never_loads)
+    monkeypatch.setattr(registry, "load_adapter", never_loads)
     lazy = tiny_config.replace(models=(ModelConfig("tiny", tiny_config.models[0].path, default=True, load="on_demand"),),
                                runtime={"load_timeout_s": 0.2})
     async with Runtime.open(lazy) as rt:

@@ -19,7 +19,7 @@ from mmserve.actors.messages import ClearCache, EncodeJob, GenerateJob, Release
 from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import key_prefix
 from mmserve.errors import MMServeError
-from mmserve.models.llava import LlavaAdapter, PromptInputs
+from mmserve.models.adapter import Adapter, PromptInputs
 from mmserve.config import EncoderCacheConfig
 from mmserve.actors import compute
 from mmserve.actors.faults import fault
@@ -44,7 +44,7 @@ class Miss:
 class Encoder(Actor):
     name = "encoder"
 
-    def __init__(self, adapter: LlavaAdapter, generator_inbox: trio.MemorySendChannel,
+    def __init__(self, adapter: Adapter, generator_inbox: trio.MemorySendChannel,
                  config: EncoderCacheConfig = EncoderCacheConfig(), prefix_cache: trio.MemorySendChannel | None = None):
         super().__init__(model=adapter.name)
         self.adapter = adapter
@@ -229,7 +229,7 @@ class Encoder(Actor):
 
     def _forward(self, chunk: list[Miss]) -> list[torch.Tensor]:
         fault("encoder.forward", *(label for m in chunk for label in m.labels))
-        return self.adapter.encode_images(torch.stack([m.pixels for m in chunk]))
+        return self.adapter.encode_images([m.pixels for m in chunk])
 
     @staticmethod
     def _fail_miss(miss: Miss, error: Exception, failed: dict) -> None:

@@ -2,7 +2,7 @@
 
 It receives prepared sequences — the cached prefix already at the start of their block tables,
 encoder outputs for the images the prefix does not cover. Each step is ONE forward over the
-arena's block tables (`LlavaAdapter.forward_paged`): a decode token of every running sequence and
+arena's block tables (`Adapter.forward_paged`): a decode token of every running sequence and
 prefill chunks of waiting ones, packed to `max_batched_tokens` (`generation.scheduler`); the
 blocks those tokens need are asked of the cache manager in one message per step; when a decode
 token finds no block, the newest sequence is preempted (its blocks released, recomputed later).
@@ -31,14 +31,14 @@ from mmserve.generation.sampler import sample_batch
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.scheduler import Planned, newest, plan_step
 from mmserve.generation.stops import TextAssembler
-from mmserve.models.llava import LlavaAdapter
+from mmserve.models.adapter import Adapter
 from mmserve.models.paged import KVArena, Segment
 
 
 class Generator(Actor):
     name = "generator"
 
-    def __init__(self, adapter: LlavaAdapter, cache_manager: trio.MemorySendChannel, kv: KVArena,
+    def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, kv: KVArena,
                  kv_config: KVCacheConfig = KVCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
                  metrics=None):
         super().__init__(model=adapter.name)
@@ -268,13 +268,16 @@ class Generator(Actor):
         """One forward over every planned sequence's new tokens, then one batched sample of those
         that need a token. A failure of one sequence's own work is reported for it alone."""
         results: list[int | Exception | None] = [None] * len(plan)
-        rows, pieces, segments = [], [], []
+        rows, pieces, segments, positions = [], [], [], []
         for i, p in enumerate(plan):
             try:
                 if not p.decode:
                     fault("generator.prefill", p.seq.label)
-                pieces.append(self._embeds(p.seq, p.seq.kv_len, p.seq.kv_len + p.tokens))
-                segments.append(Segment(tuple(p.seq.table), p.seq.kv_len, p.tokens))
+                start, end = p.seq.kv_len, p.seq.kv_len + p.tokens
+                rope = self.adapter.rope_positions(p.seq.job.prompt, len(p.seq.ids), start, end)
+                pieces.append(self._embeds(p.seq, start, end))
+                segments.append(Segment(tuple(p.seq.table), start, p.tokens))
+                positions.append(rope)
                 rows.append(i)
             except Exception as e:
                 results[i] = e
@@ -283,7 +286,8 @@ class Generator(Actor):
         fault("generator.step")
         if incarnation != self._incarnation:  # abandoned (a hang, then a restart): its blocks are gone
             return results
-        logits = self.adapter.forward_paged(torch.cat(pieces, dim=1), segments, self.kv)
+        logits = self.adapter.forward_paged(torch.cat(pieces, dim=1), segments, self.kv,
+                                            torch.cat(positions, dim=1) if self.adapter.mrope else None)
         wanted = [(r, i) for r, i in enumerate(rows) if plan[i].seq.kv_len + plan[i].tokens == plan[i].seq.target_len]
         for (r, i), token in zip(wanted, self._sample(logits, [(r, plan[i].seq) for r, i in wanted])):
             results[i] = token

@@ -18,12 +18,11 @@ from mmserve.actors.base import Actor
 from mmserve.actors.messages import (
     EncodeJob, Lookup, PrefixFailed, PrefixState, Release, RequestHandle, Route, Submit)
 from mmserve.cache.block_hash import prompt_block_hashes
-from mmserve.cache.keys import image_identity
 from mmserve.actors.faults import fault
 from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip
 
 from mmserve.inputs.image_budget import check_image_size
-from mmserve.models.llava import LlavaAdapter, PromptInputs
+from mmserve.models.adapter import Adapter, PromptInputs
 from mmserve.config import KVCacheConfig, LimitsConfig
 from mmserve.inputs.images import data_url_bytes, open_image
 from mmserve.inputs.remote_images import fetch_images, is_remote_url
@@ -82,14 +81,13 @@ def _embedded_image(image, where: str):
     return image if image.mode == "RGB" else convert("RGB")
 
 
-def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: LimitsConfig,
+def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: LimitsConfig,
             label: str | None = None) -> PromptInputs:
     fault("intake.prepare", label)
     for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
-        check_image_size(adapter.processor.image_processor, img.width, img.height, limits, where)
+        check_image_size(adapter.image_processor, img.width, img.height, limits, where)
     prompt = adapter.tokenize(hf_messages(request), images)
-    keys = tuple(image_identity(adapter.model_sig, adapter.processor_digest, img, algorithm=adapter.hash_algorithm)
-                 for img in images)
+    keys = tuple(adapter.image_key(img) for img in images)
     prompt = dataclasses.replace(prompt, mm_keys=keys)
     if len(prompt.input_ids) > limits.max_prompt_tokens:
         raise BadRequest(
@@ -103,7 +101,7 @@ def prepare(adapter: LlavaAdapter, request: ChatRequest, images: list, limits: L
     return prompt
 
 
-def _decode_and_prepare(adapter: LlavaAdapter, request: ChatRequest, limits: LimitsConfig, fetched, label,
+def _decode_and_prepare(adapter: Adapter, request: ChatRequest, limits: LimitsConfig, fetched, label,
                         block_size: int | None):
     """Every step in one worker-thread hop: (prompt, its full-block hashes, decode seconds,
     preprocess seconds). No block hashes without a prefix cache (`block_size` None)."""

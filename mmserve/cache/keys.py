@@ -30,6 +30,7 @@ import xxhash
 
 PROCESSOR_DIGEST_LAYOUT_VERSION = 1
 MM_HASH_LAYOUT_VERSION = 1
+MM_HASH_GRID_LAYOUT_VERSION = 2  # v1 + the processor's (t, h, w) patch grid (dynamic-resolution models)
 
 MODALITY_IMAGE = 1
 MODALITY_AUDIO = 2
@@ -196,12 +197,18 @@ def _mm_digest(header: bytes, arr: np.ndarray, algorithm: str) -> bytes:
 
 
 def image_header(
-    model_sig: int, processor_digest: int, mode: str, size: tuple[int, int], pixels: np.ndarray
+    model_sig: int, processor_digest: int, mode: str, size: tuple[int, int], pixels: np.ndarray,
+    grid: tuple[int, int, int] | None = None,
 ) -> bytes:
-    """The header an image's mm_hash covers before its pixel bytes (layout version 1).
+    """The header an image's mm_hash covers before its pixel bytes.
 
+    Layout version 1 (no grid):
     u16 version | u8 modality=1 | u64 model_sig | u64 processor digest | mode (u32 len + ascii)
     | u32 width | u32 height | dtype str (u32 len + ascii, e.g. '|u1') | u32 ndim | u32 per dim
+    Layout version 2 (a dynamic-resolution model's image, e.g. Qwen2-VL): version 1's fields with
+    version = 2, then u32 grid_t | u32 grid_h | u32 grid_w. The grid follows from the size and
+    the processor settings already in the key; it is folded in so the key says outright how many
+    tokens the image makes and where the text after it sits (M-RoPE), whatever the arithmetic.
     """
     width, height = size
     if mode not in CACHEABLE_IMAGE_MODES:
@@ -210,19 +217,23 @@ def image_header(
         raise UncacheableInput(f"empty image {width}x{height}")
     if pixels.ndim not in (2, 3) or pixels.shape[:2] != (height, width):
         raise UncacheableInput(f"pixel array shape {pixels.shape} does not match image size {width}x{height}")
+    if grid is not None and (len(grid) != 3 or min(grid) < 1):
+        raise ValueError(f"an image grid is three positive patch counts (t, h, w), got {grid!r}")
+    version = MM_HASH_LAYOUT_VERSION if grid is None else MM_HASH_GRID_LAYOUT_VERSION
     return b"".join(
         [
-            _mm_prefix(MODALITY_IMAGE, model_sig, processor_digest),
+            _mm_prefix(MODALITY_IMAGE, model_sig, processor_digest, version),
             lp_str(mode, "ascii"),
             u32(width, "width"),
             u32(height, "height"),
             _array_header(pixels),
+            b"" if grid is None else b"".join(u32(n, "grid") for n in grid),
         ]
     )
 
 
-def _mm_prefix(modality: int, model_sig: int, processor_digest: int) -> bytes:
-    version = u16(MM_HASH_LAYOUT_VERSION)
+def _mm_prefix(modality: int, model_sig: int, processor_digest: int, version: int = MM_HASH_LAYOUT_VERSION) -> bytes:
+    version = u16(version)
     return version + u8(modality) + u64(model_sig, "model_sig") + u64(processor_digest, "processor_digest")
 
 
@@ -234,6 +245,7 @@ def mm_hash_image(
     pixels: np.ndarray,
     *,
     algorithm: str = HASH_XXH3_128,
+    grid: tuple[int, int, int] | None = None,
 ) -> bytes:
     """16-byte content key of a decoded image: `algorithm` over `image_header` + pixel bytes.
 
@@ -243,7 +255,7 @@ def mm_hash_image(
     """
     check_hash_algorithm(algorithm)
     arr = _hashable_array(pixels, "pixels")
-    return _mm_digest(image_header(model_sig, processor_digest, mode, size, arr), arr, algorithm)
+    return _mm_digest(image_header(model_sig, processor_digest, mode, size, arr, grid), arr, algorithm)
 
 
 def audio_header(model_sig: int, processor_digest: int, samples: np.ndarray, sample_rate: int) -> bytes:
@@ -275,7 +287,8 @@ def mm_hash_audio(
 
 
 def image_identity(
-    model_sig: int, processor_digest: int, pil_image, *, algorithm: str = HASH_XXH3_128
+    model_sig: int, processor_digest: int, pil_image, *, algorithm: str = HASH_XXH3_128,
+    grid: tuple[int, int, int] | None = None,
 ) -> bytes | None:
     """The mm_hash of a PIL image, or None when it has no faithful identity.
 
@@ -294,7 +307,7 @@ def image_identity(
         return None
     try:
         return mm_hash_image(
-            model_sig, processor_digest, pil_image.mode, pil_image.size, pixels, algorithm=algorithm
+            model_sig, processor_digest, pil_image.mode, pil_image.size, pixels, algorithm=algorithm, grid=grid
         )
     except UncacheableInput:
         return None

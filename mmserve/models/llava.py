@@ -8,118 +8,38 @@ that the actors run in worker threads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-import os
-from pathlib import Path
 from typing import Sequence
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local directories only
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
 
-from transformers.utils import logging as hf_logging
+from mmserve.cache.keys import processor_digest
+from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs, StepOutput, placeholder_spans
 
-from mmserve.cache.keys import check_hash_algorithm, processor_digest
-from mmserve.cache.signature import model_sig
-
-hf_logging.disable_progress_bar()
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+__all__ = ["ImageSpan", "LlavaAdapter", "PromptInputs", "StepOutput"]
 
 
-@dataclass(frozen=True)
-class ImageSpan:
-    """Where one image's placeholder tokens sit in the prompt: positions [start, start+length)."""
-
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class PromptInputs:
-    """A tokenized prompt and its per-image pixel tensors (row i belongs to spans[i])."""
-
-    input_ids: tuple[int, ...]
-    pixel_values: torch.Tensor | None
-    spans: tuple[ImageSpan, ...]
-    mm_keys: tuple[bytes | None, ...] = ()  # content key per image; None = uncacheable
-    images: tuple = ()  # the decoded images, when pixel_values is left for the encoder to compute
-
-    def pixels(self, adapter: "LlavaAdapter", i: int) -> torch.Tensor:
-        """Image i's pixel tensor [C, H, W] (computed now if `tokenize` left it out)."""
-        if self.pixel_values is not None:
-            return self.pixel_values[i]
-        return adapter.pixel_values([self.images[i]])[0]
-
-
-@dataclass
-class StepOutput:
-    """Logits of the last position of each sequence, and the KV cache after the step."""
-
-    logits: torch.Tensor
-    cache: DynamicCache
-
-
-class LlavaAdapter:
+class LlavaAdapter(Adapter):
     """One loaded LLaVA-family model (processor + weights) on a device."""
 
-    def __init__(self, name: str, path: str | Path, device: str = "cpu", dtype: str = "float32", *,
-                 hash_algorithm: str = "xxh3_128"):
-        self.hash_algorithm = check_hash_algorithm(hash_algorithm)  # of block and multimodal keys
-        self.name = name
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise FileNotFoundError(f"model {name!r}: checkpoint directory {self.path} does not exist")
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
+    def _load(self) -> None:
         self.processor = AutoProcessor.from_pretrained(self.path)
         self.tokenizer = self.processor.tokenizer
-        model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=self.dtype)
-        self.model = model.to(self.device).eval()
-        self.config = self.model.config
-        self.text_config = self.config.get_text_config()
-        self.image_token_id = int(self.config.image_token_id)
-        self.eos_token_ids = frozenset(self._eos_ids())
-        self.vocab_size = int(self.text_config.vocab_size)
-        tc = self.text_config
-        self.kv_layers = int(tc.num_hidden_layers)
-        self.kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
-        self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
-        self.answer_lead = self._answer_lead()
-        dtype_name = str(self.dtype).removeprefix("torch.")  # 'float32', 'float16', 'bfloat16'
-        self.model_sig = model_sig(name, self.path, dtype=dtype_name, device_type=self.device.type)
-        self.processor_digest = processor_digest(self.processor.image_processor.to_dict())
+        self.image_processor = self.processor.image_processor
+        self.model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=self.dtype)
+        self.image_token_id = int(self.model.config.image_token_id)
 
-    def _eos_ids(self) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+    def _processor_digest(self) -> int:
+        return processor_digest(self.image_processor.to_dict())
 
-    def _answer_lead(self) -> str:
-        """Whitespace the chat template puts between the generation prompt and an assistant
-        message's content (e.g. "assistant:" + " " + content). The model generates it as part of
-        its answer; it is removed from responses so that a client sending the answer back in the
-        history reproduces the very tokens that were generated."""
-        user = [{"role": "user", "content": "q"}]
-        try:
-            prompt = self.processor.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-            full = self.processor.apply_chat_template(
-                user + [{"role": "assistant", "content": "ANSWER"}], tokenize=False)
-        except Exception:  # a template that cannot render the probe: strip nothing
-            return ""
-        if not full.startswith(prompt):
-            return ""
-        rest = full[len(prompt):]
-        lead = rest[: len(rest) - len(rest.lstrip())]
-        return lead if rest[len(lead):].startswith("ANSWER") else ""
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
     # -- preprocessing ---------------------------------------------------------------------
 
     def render_prompt(self, messages: list[dict]) -> str:
         """The chat-templated prompt text, ending with the generation prompt."""
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._render(messages, generation_prompt=True)
 
     def preprocess(self, messages: list[dict], images: Sequence) -> PromptInputs:
         """Applies the chat template and the processor; images are PIL images in prompt order."""
@@ -152,7 +72,7 @@ class LlavaAdapter:
             input_ids += compact[start:i] + [self.image_token_id] * n
             start = i + 1
         input_ids = tuple(int(t) for t in input_ids + compact[start:])
-        spans = self.image_spans(input_ids, len(images))
+        spans = placeholder_spans(input_ids, self.image_token_id, counts)
         return PromptInputs(input_ids, None, spans, images=tuple(images))
 
     def _image_token_counts(self, images: Sequence) -> list[int] | None:
@@ -168,8 +88,9 @@ class LlavaAdapter:
         return counts if len(counts) == len(images) else None
 
     def pixel_values(self, images: Sequence) -> torch.Tensor:
-        """The image processor's pixel tensor for `images`, [N, C, H, W] (worker thread)."""
-        return self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+        """The image processor's pixel tensor for `images`, [N, C, H, W] (worker thread): row i
+        is image i's pixel item."""
+        return self.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
 
     def image_spans(self, input_ids: Sequence[int], n_images: int) -> tuple[ImageSpan, ...]:
         """Splits the placeholder positions into one contiguous span per image."""
@@ -192,21 +113,14 @@ class LlavaAdapter:
     # -- model steps -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """Runs the vision tower and projector: one [num_image_tokens, hidden] tensor per image."""
+    def encode_images(self, pixel_values) -> list[torch.Tensor]:
+        """Runs the vision tower and projector over [N, C, H, W] pixels (or a list of [C, H, W]
+        items): one [num_image_tokens, hidden] tensor per image."""
+        if not isinstance(pixel_values, torch.Tensor):
+            pixel_values = torch.stack(list(pixel_values))
         pixel_values = pixel_values.to(self.device, self.dtype)
         out = self.model.model.get_image_features(pixel_values=pixel_values, return_dict=True)
         return [f.contiguous() for f in out.pooler_output]
-
-    @torch.inference_mode()
-    def embed(self, input_ids: Sequence[int], pieces: Sequence[tuple[int, torch.Tensor]] = ()) -> torch.Tensor:
-        """Token embeddings [1, T, H] with each (position, rows) piece of image embeddings
-        written over the placeholders starting at that position."""
-        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
-        embeds = self.model.get_input_embeddings()(ids)
-        for pos, rows in pieces:
-            embeds[0, pos : pos + rows.shape[0]] = rows.to(embeds.dtype)
-        return embeds
 
     @torch.inference_mode()
     def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None = None, start: int = 0) -> StepOutput:
@@ -243,38 +157,3 @@ class LlavaAdapter:
         )
         logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
         return StepOutput(logits.float(), out.past_key_values)
-
-    @torch.inference_mode()
-    def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena) -> torch.Tensor:
-        """One ragged step over a paged KV arena (mmserve.models.paged): `inputs_embeds`
-        [1, T, H] is the concatenation of every segment's new tokens (a decode token of each
-        running sequence, prefill chunks of waiting ones); their KV is written into the arena at
-        their block-table slots. Returns float logits [len(segments), vocab] of each segment's
-        last token.
-
-        The paged attention is selected for this call only: it runs a twin of the language
-        model that shares every parameter and buffer (no weights copied) but has its own config
-        whose attention implementation is "mmserve_paged". The model's own config is never
-        switched, so `prefill`/`decode` in other threads keep their attention meanwhile."""
-        from mmserve.models import paged
-
-        twin = getattr(self, "_paged_lm", None)
-        if twin is None:
-            import copy
-
-            lm = self.model.model.language_model
-            shared = {id(t): t for t in (*lm.parameters(), *lm.buffers())}
-            twin = copy.deepcopy(lm, shared)  # the memo makes the copy reuse every tensor
-            twin.config._attn_implementation = paged.ATTN_IMPLEMENTATION
-            self._paged_lm = twin
-        batch = paged.PagedBatch(arena, segments)
-        if inputs_embeds.shape[:2] != (1, batch.tokens):
-            raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
-                             f"{batch.tokens} new tokens as [1, T, hidden]")
-        out = twin(inputs_embeds=inputs_embeds.to(self.device, self.dtype), position_ids=batch.position_ids,
-                   use_cache=False, **{paged.KWARG: batch})
-        last = out.last_hidden_state[0].index_select(0, batch.last_index)
-        return self.model.lm_head(last).float()
-
-    def decode_text(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

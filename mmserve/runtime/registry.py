@@ -17,7 +17,8 @@ from mmserve.actors.generator import Generator
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.errors import MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
-from mmserve.models.llava import LlavaAdapter
+from mmserve.models.adapter import Adapter
+from mmserve.models.loading import load_adapter
 from mmserve.config import Config, ModelConfig
 from mmserve.inputs.image_budget import UnknownLayout, processing_pixels
 from mmserve.runtime.supervisor import Supervisor
@@ -26,7 +27,7 @@ from mmserve.runtime.supervisor import Supervisor
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    adapter: LlavaAdapter
+    adapter: Adapter
     actors: dict[str, Actor]  # "encoder", "generator", "prefix_cache" (the KV arena's manager)
     last_used: float = field(default_factory=time.monotonic)
     routed: set = field(default_factory=set)  # handles of requests routed here (until they end)
@@ -145,17 +146,17 @@ class ModelRegistry:
             del self._loading[mc.name]
             done.set()
 
-    def _read_checkpoint(self, mc: ModelConfig) -> LlavaAdapter:
+    def _read_checkpoint(self, mc: ModelConfig) -> Adapter:
         # one torch thread: a second OpenMP team in the process would make libgomp stop
         # spin-waiting in the compute thread's team for good (actors/compute.py)
         torch.set_num_threads(1)
         rc = self.config.runtime
-        return LlavaAdapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
+        return load_adapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
                             hash_algorithm=self.config.kv_cache.hash)
 
-    def _warn_if_unbounded(self, adapter: LlavaAdapter) -> None:
+    def _warn_if_unbounded(self, adapter: Adapter) -> None:
         try:
-            processing_pixels(adapter.processor.image_processor, 1, 1)
+            processing_pixels(adapter.image_processor, 1, 1)
         except UnknownLayout as e:
             self.log.warning("registry.image_budget_unknown", model=adapter.name, error=str(e))
 

@@ -1,0 +1,225 @@
+"""What every model family's adapter shares: the prompt types and the model steps that do not
+depend on the family (embedding, the paged step over the KV arena, detokenizing).
+
+A family adapter (`LlavaAdapter`, `Qwen2VLAdapter`) adds what differs: loading its processor,
+tokenizing a chat with images, each image's pixel item and encoder forward, and — for M-RoPE
+models — the 3-D positions of the prompt's tokens. `load_adapter` (mmserve.models.loading) picks
+the family from the checkpoint's `config.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import os
+from pathlib import Path
+from typing import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local directories only
+
+import torch
+from transformers import DynamicCache
+from transformers.utils import logging as hf_logging
+
+from mmserve.cache.keys import check_hash_algorithm, image_identity
+from mmserve.cache.signature import model_sig
+
+hf_logging.disable_progress_bar()
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's placeholder tokens sit in the prompt: positions [start, start+length)."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """A tokenized prompt and its per-image pixel items (item i belongs to spans[i]).
+
+    `rope_positions` is set for M-RoPE models only: the [3, T] positions of the prompt's tokens
+    (temporal, height, width; equal for text tokens) and `rope_delta`, the offset of every token
+    after the prompt (its position is its index + rope_delta). Both follow from the token ids and
+    the images' grids alone, so a prompt that shares a prefix with another shares its positions."""
+
+    input_ids: tuple[int, ...]
+    pixel_values: object | None  # indexable by image: a [N, C, H, W] tensor or a tuple of items
+    spans: tuple[ImageSpan, ...]
+    mm_keys: tuple[bytes | None, ...] = ()  # content key per image; None = uncacheable
+    images: tuple = ()  # the decoded images, when pixel_values is left for the encoder to compute
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
+
+    def pixels(self, adapter: "Adapter", i: int):
+        """Image i's pixel item (computed now if `tokenize` left it out)."""
+        if self.pixel_values is not None:
+            return self.pixel_values[i]
+        return adapter.pixel_values([self.images[i]])[0]
+
+
+@dataclass
+class StepOutput:
+    """Logits of the last position of each sequence, and the KV cache after the step."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+
+
+def placeholder_spans(input_ids: Sequence[int], image_token_id: int, counts: Sequence[int]) -> tuple[ImageSpan, ...]:
+    """One span per image, in order, from each image's own placeholder count: image k takes the
+    next counts[k] placeholder positions, which must be contiguous (two images whose
+    placeholders touch are still told apart by their counts)."""
+    positions = [i for i, t in enumerate(input_ids) if t == image_token_id]
+    if len(positions) != sum(counts):
+        raise ValueError(f"the prompt has {len(positions)} image placeholder tokens; its images need {sum(counts)}")
+    spans, at = [], 0
+    for n in counts:
+        chunk = positions[at:at + n]
+        if not chunk or chunk[-1] - chunk[0] != n - 1:
+            raise ValueError("an image's placeholder tokens are not contiguous")
+        spans.append(ImageSpan(chunk[0], n))
+        at += n
+    return tuple(spans)
+
+
+class Adapter:
+    """One loaded model on a device. Subclasses set `tokenizer`, `model`, `image_processor` and
+    `image_token_id` in `_load`, and implement the family's preprocessing and encoder steps."""
+
+    mrope = False  # True: positions are 3-D (`PromptInputs.rope_positions`)
+
+    def __init__(self, name: str, path: str | Path, device: str = "cpu", dtype: str = "float32", *,
+                 hash_algorithm: str = "xxh3_128"):
+        self.hash_algorithm = check_hash_algorithm(hash_algorithm)  # of block and multimodal keys
+        self.name = name
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"model {name!r}: checkpoint directory {self.path} does not exist")
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self._load()
+        self.model = self.model.to(self.device).eval()
+        self.config = self.model.config
+        self.text_config = self.config.get_text_config()
+        self.eos_token_ids = frozenset(self._eos_ids())
+        self.vocab_size = int(self.text_config.vocab_size)
+        tc = self.text_config
+        self.kv_layers = int(tc.num_hidden_layers)
+        self.kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
+        self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+        self.answer_lead = self._answer_lead()
+        dtype_name = str(self.dtype).removeprefix("torch.")  # 'float32', 'float16', 'bfloat16'
+        self.model_sig = model_sig(name, self.path, dtype=dtype_name, device_type=self.device.type)
+        self.processor_digest = self._processor_digest()
+
+    # -- what a family provides ------------------------------------------------------------
+
+    def _load(self) -> None:
+        raise NotImplementedError
+
+    def _processor_digest(self) -> int:
+        raise NotImplementedError
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        """The chat-templated prompt text, ending with the generation prompt."""
+        raise NotImplementedError
+
+    def tokenize(self, messages: list[dict], images: Sequence) -> PromptInputs:
+        raise NotImplementedError
+
+    def pixel_values(self, images: Sequence) -> list:
+        """One pixel item per image, as `encode_images` takes them (worker thread)."""
+        raise NotImplementedError
+
+    def encode_images(self, items) -> list[torch.Tensor]:
+        """The vision tower and projector over pixel items: one [num_image_tokens, hidden] each."""
+        raise NotImplementedError
+
+    def image_key(self, image) -> bytes | None:
+        """The image's content key (mm_hash) under this model, or None when it has none."""
+        return image_identity(self.model_sig, self.processor_digest, image, algorithm=self.hash_algorithm)
+
+    def rope_positions(self, prompt: PromptInputs, ids_len: int, start: int, end: int) -> torch.Tensor | None:
+        """[3, end-start] positions of tokens [start, end) of a sequence whose prompt is `prompt`
+        (tokens past the prompt are its answer); None for 1-D positions (index = position)."""
+        return None
+
+    # -- shared -----------------------------------------------------------------------------
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+    def _answer_lead(self) -> str:
+        """Whitespace the chat template puts between the generation prompt and an assistant
+        message's content (e.g. "assistant:" + " " + content). The model generates it as part of
+        its answer; it is removed from responses so that a client sending the answer back in the
+        history reproduces the very tokens that were generated."""
+        user = [{"role": "user", "content": "q"}]
+        try:
+            prompt = self.render_prompt(user)
+            full = self._render(user + [{"role": "assistant", "content": "ANSWER"}], generation_prompt=False)
+        except Exception:  # a template that cannot render the probe: strip nothing
+            return ""
+        if not full.startswith(prompt):
+            return ""
+        rest = full[len(prompt):]
+        lead = rest[: len(rest) - len(rest.lstrip())]
+        return lead if rest[len(lead):].startswith("ANSWER") else ""
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    @torch.inference_mode()
+    def embed(self, input_ids: Sequence[int], pieces: Sequence[tuple[int, torch.Tensor]] = ()) -> torch.Tensor:
+        """Token embeddings [1, T, H] with each (position, rows) piece of image embeddings
+        written over the placeholders starting at that position."""
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
+        embeds = self.model.get_input_embeddings()(ids)
+        for pos, rows in pieces:
+            embeds[0, pos : pos + rows.shape[0]] = rows.to(embeds.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """One ragged step over a paged KV arena (mmserve.models.paged): `inputs_embeds`
+        [1, T, H] is the concatenation of every segment's new tokens (a decode token of each
+        running sequence, prefill chunks of waiting ones); their KV is written into the arena at
+        their block-table slots. `positions` [3, T] gives M-RoPE positions (default: each token's
+        index). Returns float logits [len(segments), vocab] of each segment's last token.
+
+        The paged attention is selected for this call only: it runs a twin of the language
+        model that shares every parameter and buffer (no weights copied) but has its own config
+        whose attention implementation is "mmserve_paged". The model's own config is never
+        switched, so other threads' calls keep their attention meanwhile."""
+        from mmserve.models import paged
+
+        twin = getattr(self, "_paged_lm", None)
+        if twin is None:
+            import copy
+
+            lm = self.model.model.language_model
+            shared = {id(t): t for t in (*lm.parameters(), *lm.buffers())}
+            twin = copy.deepcopy(lm, shared)  # the memo makes the copy reuse every tensor
+            twin.config._attn_implementation = paged.ATTN_IMPLEMENTATION
+            self._paged_lm = twin
+        batch = paged.PagedBatch(arena, segments)
+        if inputs_embeds.shape[:2] != (1, batch.tokens):
+            raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
+                             f"{batch.tokens} new tokens as [1, T, hidden]")
+        if positions is not None and tuple(positions.shape) != (3, batch.tokens):
+            raise ValueError(f"positions {tuple(positions.shape)} are not [3, {batch.tokens}]")
+        position_ids = batch.position_ids if positions is None else positions.to(self.device).unsqueeze(1)
+        out = twin(inputs_embeds=inputs_embeds.to(self.device, self.dtype), position_ids=position_ids,
+                   use_cache=False, **{paged.KWARG: batch})
+        last = out.last_hidden_state[0].index_select(0, batch.last_index)
+        return self.model.lm_head(last).float()
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

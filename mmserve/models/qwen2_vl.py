@@ -1,0 +1,168 @@
+"""Adapter for Qwen2-VL checkpoints: dynamic resolution and M-RoPE.
+
+Two things set this family apart from LLaVA. An image's token count depends on its size: the image
+processor resizes it (`smart_resize`) to a multiple of patch_size * merge_size within
+[min_pixels, max_pixels], and every merge_size x merge_size patches make one token. And positions
+are 3-D: text tokens advance one position each (equal in all three), an image's tokens take
+(start, start + row, start + column) over its merged grid, and the text after an image resumes at
+start + max(rows, columns) — so the position of every later token depends on the grids before it,
+not only on the token count. The prompt's positions come from the model's own `get_rope_index`;
+an answer token at index i sits at i + rope_delta.
+
+The checkpoint is loaded without `Qwen2VLProcessor` (its video processor needs torchvision, which
+has no CPU build beside this torch): the tokenizer (its chat template renders each image as
+``<|vision_start|><|image_pad|><|vision_end|>``), `Qwen2VLImageProcessorPil` and the model load
+separately, and the intake expands each image's single pad token to its count, as the processor
+would.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from mmserve.cache.keys import image_identity, processor_digest
+from mmserve.models.adapter import Adapter, PromptInputs, placeholder_spans
+
+# image processors whose arithmetic the PIL one reproduces (the fast one's torchvision resize
+# differs from PIL's by rounding only); any other needs code this install cannot run
+_PIL_COMPATIBLE = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil"})
+
+
+@dataclass(frozen=True)
+class QwenPixels:
+    """One image's encoder input: flattened patches [grid_t * grid_h * grid_w, C * t * p * p]."""
+
+    patches: torch.Tensor
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+
+
+class Qwen2VLAdapter(Adapter):
+    """One loaded Qwen2-VL model (tokenizer, image processor, weights) on a device."""
+
+    mrope = True
+
+    def _load(self) -> None:
+        self.image_processor = _image_processor(self.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        if self.tokenizer.chat_template is None:
+            self.tokenizer.chat_template = _saved_template(self.path)
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"model {self.name!r}: {self.path} has no chat template (tokenizer or chat_template.jinja)")
+        self.model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=self.dtype)
+        self.image_token_id = int(self.model.config.image_token_id)
+        self.merge_size = int(self.image_processor.merge_size)
+        if int(self.model.config.vision_config.spatial_merge_size) != self.merge_size:
+            raise ValueError(f"model {self.name!r}: the image processor merges {self.merge_size}x{self.merge_size} "
+                             f"patches, the vision tower {self.model.config.vision_config.spatial_merge_size}")
+
+    def _processor_digest(self) -> int:
+        return processor_digest(self.image_processor.to_dict())
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        return self._render(messages, generation_prompt=True)
+
+    # -- preprocessing ---------------------------------------------------------------------
+
+    def grid(self, image) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid the image processor gives `image`, from its size alone."""
+        ip = self.image_processor
+        factor = int(ip.patch_size) * self.merge_size
+        h, w = smart_resize(image.height, image.width, factor=factor,
+                            min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+        return (1, h // int(ip.patch_size), w // int(ip.patch_size))
+
+    def tokens_per_image(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // (self.merge_size ** 2)
+
+    def tokenize(self, messages: list[dict], images: Sequence) -> PromptInputs:
+        """The prompt's tokens with each image's pad token repeated to its count, its spans, and
+        its 3-D positions; pixels are left for the encoder (`pixel_values`) to make on a miss."""
+        grids = [self.grid(img) for img in images]
+        counts = [self.tokens_per_image(g) for g in grids]
+        compact = self.tokenizer([self.render_prompt(messages)])["input_ids"][0]
+        where = [i for i, t in enumerate(compact) if t == self.image_token_id]
+        if len(where) != len(images):
+            raise ValueError(f"the prompt has {len(where)} image placeholders for {len(images)} images")
+        input_ids: list[int] = []
+        start = 0
+        for i, n in zip(where, counts):
+            input_ids += compact[start:i] + [self.image_token_id] * n
+            start = i + 1
+        input_ids = tuple(int(t) for t in input_ids + compact[start:])
+        spans = placeholder_spans(input_ids, self.image_token_id, counts)
+        positions, delta = self._rope_index(input_ids, spans, grids)
+        return PromptInputs(input_ids, None, spans, images=tuple(images), rope_positions=positions, rope_delta=delta)
+
+    def _rope_index(self, input_ids, spans, grids) -> tuple[torch.Tensor, int]:
+        ids = torch.tensor([input_ids], dtype=torch.long)
+        types = torch.zeros_like(ids, dtype=torch.int)
+        for span in spans:
+            types[0, span.start:span.start + span.length] = 1
+        grid_thw = torch.tensor(grids, dtype=torch.long) if grids else None
+        positions, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid_thw)
+        return positions[:, 0].contiguous(), int(deltas[0, 0])
+
+    def rope_positions(self, prompt: PromptInputs, ids_len: int, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens [start, end): the prompt's own, then index + rope_delta."""
+        n_prompt = len(prompt.input_ids)
+        parts = []
+        if start < n_prompt:
+            parts.append(prompt.rope_positions[:, start:min(end, n_prompt)])
+        if end > n_prompt:
+            after = torch.arange(max(start, n_prompt), end, dtype=torch.long) + prompt.rope_delta
+            parts.append(after.unsqueeze(0).expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def image_key(self, image) -> bytes | None:
+        """The mm_hash with the image's grid folded in (layout v2): the grid fixes the image's
+        token count and the positions of everything after it."""
+        return image_identity(self.model_sig, self.processor_digest, image, algorithm=self.hash_algorithm,
+                              grid=self.grid(image))
+
+    def pixel_values(self, images: Sequence) -> list[QwenPixels]:
+        """Each image's flattened patches and grid (worker thread); the grid must be the one the
+        prompt's placeholders were counted with."""
+        out = []
+        for img in images:
+            batch = self.image_processor(images=[img], return_tensors="pt")
+            grid = tuple(int(x) for x in batch["image_grid_thw"][0])
+            if grid != self.grid(img):
+                raise RuntimeError(f"the image processor gave a {grid} grid where its settings give {self.grid(img)}")
+            out.append(QwenPixels(batch["pixel_values"], grid))
+        return out
+
+    # -- model steps -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_images(self, items: Sequence[QwenPixels]) -> list[torch.Tensor]:
+        """The vision tower and merger over images of any sizes in one call (its attention is
+        per image): one [tokens_per_image, hidden] tensor per image."""
+        patches = torch.cat([it.patches for it in items]).to(self.device, self.dtype)
+        grid_thw = torch.tensor([it.grid for it in items], dtype=torch.long, device=self.device)
+        out = self.model.model.get_image_features(pixel_values=patches, image_grid_thw=grid_thw, return_dict=True)
+        return [f.contiguous() for f in out.pooler_output]
+
+
+def _image_processor(path) -> Qwen2VLImageProcessorPil:
+    config = path / "preprocessor_config.json"
+    kind = json.loads(config.read_text()).get("image_processor_type") if config.is_file() else None
+    if kind is not None and kind not in _PIL_COMPATIBLE:
+        raise ValueError(f"{path}: the image processor {kind!r} needs torchvision, which this install does not "
+                         f"have; save the checkpoint with a Qwen2VLImageProcessor(Pil) instead")
+    return Qwen2VLImageProcessorPil.from_pretrained(path)
+
+
+def _saved_template(path) -> str | None:
+    """The chat template a processor saved beside the tokenizer (chat_template.jinja or .json)."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    saved = path / "chat_template.json"
+    return json.loads(saved.read_text()).get("chat_template") if saved.is_file() else None
