@@ -19,6 +19,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory):
+    """A random-weight tiny Qwen2-VL checkpoint (M-RoPE, dynamic image sizes)."""
+    from mmserve.models.demo.qwen import build_untrained_qwen
+
+    return build_untrained_qwen("tiny-qwen", tmp_path_factory.mktemp("tiny-qwen"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_config(tiny_model_dir) -> Config:
     return Config(models=(ModelConfig("tiny", str(tiny_model_dir), default=True),))
 

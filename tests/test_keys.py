@@ -142,6 +142,24 @@ def test_image_header_and_hash_are_pinned():
     assert mm_hash_image(SIG, PROC, "RGB", (3, 2), pixels).hex() == "e973a9ee69895ced08718f86e164e100"
 
 
+def test_image_header_with_a_grid_is_layout_2_and_pinned():
+    """Dynamic-resolution models (Qwen2-VL) fold the processor's (t, h, w) patch grid into the
+    key: version 2, the v1 fields, then three u32."""
+    pixels = np.arange(18, dtype=np.uint8).reshape(2, 3, 3)
+    header = K.image_header(SIG, PROC, "RGB", (3, 2), pixels, (1, 4, 6))
+    v1 = K.image_header(SIG, PROC, "RGB", (3, 2), pixels)
+    assert header == struct.pack("<H", 2) + v1[2:] + struct.pack("<III", 1, 4, 6)
+    assert header.hex() == (
+        "020001080706050403020118171615141312110300000052474203000000020000000300"
+        "00007c753103000000020000000300000003000000010000000400000006000000"
+    )
+    assert mm_hash_image(SIG, PROC, "RGB", (3, 2), pixels, grid=(1, 4, 6)).hex() == "58e8d68cd21ec855ef79545fcd148e1f"
+    assert mm_hash_image(SIG, PROC, "RGB", (3, 2), pixels, grid=(1, 6, 4)) != mm_hash_image(
+        SIG, PROC, "RGB", (3, 2), pixels, grid=(1, 4, 6))
+    with pytest.raises(ValueError, match="grid"):
+        K.image_header(SIG, PROC, "RGB", (3, 2), pixels, (1, 0, 6))
+
+
 def test_audio_header_and_hash_are_pinned():
     samples = np.array([0.0, 0.5, -1.0], dtype=np.float32)
     header = K.audio_header(1, 2, samples, 16000)
