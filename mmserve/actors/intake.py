@@ -222,6 +222,7 @@ class Intake(Actor):
             self.block_size if route.prefix_cache is not None else None,
             limiter=self.limiter, abandon_on_cancel=True)  # a hung decode never holds a shutdown
         log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(prompt.spans),
+                 image_tokens=[span.length for span in prompt.spans],
                  queued_s=round(t_fetch - handle.created, 6), fetch_s=round(t0 - t_fetch, 6),
                  decode_s=round(decode_s, 6), preprocess_s=round(preprocess_s, 6),
                  hop_s=round(time.monotonic() - t0 - decode_s - preprocess_s, 6))

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from mmserve.config.checks import BUILTIN_PREFIX, check_model_path
+from mmserve.config.checks import BUILTIN_PREFIX, check_model_path, known_builtins
 from mmserve.config.sections import SECTIONS, Config, KVCacheConfig, ModelConfig, kv_cache_from_prefix_cache
 
 
@@ -79,8 +79,8 @@ def load_config(path: str | Path | None) -> Config:
 def with_models(config: Config, names: list[str]) -> Config:
     """Keeps only the named models (CLI `--model`, repeatable), the first one becoming the default.
 
-    A name not in the config but naming a directory is added as a local checkpoint; `demo` and
-    `demo-wide` are always known as built-ins.
+    A name not in the config but naming a directory is added as a local checkpoint; the committed
+    demo checkpoints (`demo`, `demo-wide`, `demo-qwen`) are always known as built-ins.
     """
     models = []
     for i, name in enumerate(names):
@@ -88,7 +88,7 @@ def with_models(config: Config, names: list[str]) -> Config:
         if m is None:
             if Path(name).expanduser().is_dir():
                 m = ModelConfig(Path(name).name, str(Path(name).expanduser().resolve()))
-            elif name in ("demo", "demo-wide"):
+            elif name in known_builtins():
                 m = ModelConfig(name, BUILTIN_PREFIX + name)
             else:
                 raise ValueError(f"--model {name!r}: not in the config and not a directory")
