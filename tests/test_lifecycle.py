@@ -277,3 +277,49 @@ def test_health_per_model_over_http(demo_config):
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert c.post("/v1/chat/completions", json=warm).status_code == 200
         assert {m["id"]: m["state"] for m in c.get("/v1/models").json()["data"]} == {"demo": "down", "demo-wide": "ok"}
+
+
+class _Idler:
+    """A fake actor idle for a long time, then handed one job that it holds for `window` seconds
+    (a batch window) before its first progress mark."""
+
+    name = key = "idler"
+
+    def __init__(self):
+        self.in_flight, self.last_progress = {}, time.monotonic()
+        self.job = trio.Event()
+        self.done = False
+
+    async def run(self):
+        await self.job.wait()
+        self.in_flight["r"] = object()
+        await trio.sleep(0.25)
+        self.last_progress = time.monotonic()
+        self.in_flight.clear()
+        self.done = True
+        await trio.sleep_forever()
+
+    def progressed(self):
+        self.last_progress = time.monotonic()
+
+    def has_work(self):
+        return bool(self.in_flight)
+
+    def fail_in_flight(self, error):
+        return 0
+
+
+async def test_time_spent_idle_never_counts_as_a_stall():
+    """An actor idle for longer than the stall timeout that then takes a job is not declared hung
+    on the spot: the quiet time counts from when the work arrived."""
+    supervisor = Supervisor(SupervisorConfig(stall_timeout_s=0.4))
+    actor = _Idler()
+    async with trio.open_nursery() as nursery:
+        supervisor.attach(nursery)
+        supervisor.start(actor, "idler")
+        await trio.sleep(0.8)  # idle, longer than the stall timeout
+        actor.job.set()
+        await trio.sleep(0.5)
+        state = supervisor.states["idler"]
+        assert actor.done and not state.stalled and state.restarts == 0
+        nursery.cancel_scope.cancel()

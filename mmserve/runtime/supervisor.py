@@ -29,6 +29,7 @@ class ActorState:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     run_scope: trio.CancelScope | None = None
     stalled: bool = False
+    busy_since: float | None = None  # when the watchdog first saw it with work pending (None: idle)
 
 
 def _describe(exc: BaseException) -> str:
@@ -78,20 +79,28 @@ class Supervisor:
         nursery.start_soon(self._watch)
 
     async def _watch(self) -> None:
-        """Declares hung every actor that has work pending but made no progress for stall_timeout_s."""
+        """Declares hung every actor that has had work pending for stall_timeout_s and made no
+        progress in that time. The quiet time counts from when work arrived, never from before:
+        an actor idle for a minute that is handed a job is not a minute late."""
         limit = self.config.stall_timeout_s
         while True:
             await trio.sleep(min(0.1, limit / 4))
             now = time.monotonic()
             for state in list(self.states.values()):
                 actor = state.actor
-                if state.alive and state.run_scope is not None and actor.has_work() \
-                        and now - actor.last_progress > limit and not self._waits_on_another(state.key, limit):
+                if not actor.has_work():
+                    state.busy_since = None
+                    continue
+                if state.busy_since is None:
+                    state.busy_since = now
+                quiet = now - max(actor.last_progress, state.busy_since)
+                if state.alive and state.run_scope is not None \
+                        and quiet > limit and not self._waits_on_another(state.key, limit):
                     state.stalled = True
                     state.alive = False
                     state.died_at = now
                     state.last_error = f"stalled: no progress for {limit}s with work pending"
-                    self.log.error("supervisor.actor_stalled", target=state.key, stalled_s=round(now - actor.last_progress, 3))
+                    self.log.error("supervisor.actor_stalled", target=state.key, stalled_s=round(quiet, 3))
                     state.run_scope.cancel()
                     if compute.busy_for() > limit and compute.busy_owner() == state.key:  # its hung step holds the thread
                         compute.replace(f"{state.key} stalled in a model step")
