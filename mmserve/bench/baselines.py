@@ -1,19 +1,30 @@
 """What mmserve is compared with: raw transformers `model.generate`, and the pure-compute
-reference "prefill only the suffix on top of a precomputed KV cache" (via the adapter)."""
+reference "prefill only the suffix on top of a precomputed KV cache" (via the adapter).
+
+Both exist for each family the benchmark runs. LLaVA loads with AutoProcessor. A Qwen2-VL
+checkpoint has no usable AutoProcessor here (Qwen2VLProcessor's video processor needs torchvision),
+so its inputs are built by hand from the tokenizer and `Qwen2VLImageProcessorPil`, as
+`mmserve.models.demo.qwen.build_inputs` does, and a batch is those rows left-padded by hand."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from time import perf_counter
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
+from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, DynamicCache,
+                          Qwen2VLImageProcessorPil)
 from transformers.generation.streamers import BaseStreamer
 
 from mmserve.actors.intake import decode_images, hf_messages
 from mmserve.bench.common import MODEL, Timing, median
-from mmserve.models.llava import LlavaAdapter
+from mmserve.bench.model import QWEN, family
 from mmserve.config import LimitsConfig
 from mmserve.inputs.request import parse_chat_request
+from mmserve.models.adapter import StepOutput
+from mmserve.models.demo.qwen import build_inputs
+from mmserve.models.loading import load_adapter
+from mmserve.models.qwen2_vl import _saved_template
 
 
 def hf_prompt(messages: list[dict]) -> tuple[list[dict], list]:
@@ -40,17 +51,34 @@ class _TokenTimes(BaseStreamer):
         pass
 
 
+def hf_baseline(path) -> "HFBaseline":
+    """The raw-transformers baseline of the checkpoint's family."""
+    return QwenHFBaseline(path) if family(path) == QWEN else HFBaseline(path)
+
+
 class HFBaseline:
     """The checkpoint loaded with AutoProcessor / AutoModelForImageTextToText, run with `generate`."""
 
     def __init__(self, path):
-        self.processor = AutoProcessor.from_pretrained(path)
+        self._load_preprocessing(path)
         self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+    def _load_preprocessing(self, path) -> None:
+        self.processor = AutoProcessor.from_pretrained(path)
 
     def _inputs(self, messages: list[dict]):
         msgs, images = hf_prompt(messages)
         text = self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return self.processor(text=[text], images=images or None, return_tensors="pt")
+
+    def _batch_inputs(self, requests: list[list[dict]]):
+        """All `requests` as one left-padded batch, their images in request order."""
+        prompts = [hf_prompt(m) for m in requests]
+        texts = [self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                 for msgs, _ in prompts]
+        images = [img for _, imgs in prompts for img in imgs]
+        return self.processor(text=texts, images=images or None, padding=True, padding_side="left",
+                              return_tensors="pt")
 
     @torch.inference_mode()
     def generate(self, messages: list[dict], tokens: int) -> Timing:
@@ -66,18 +94,13 @@ class HFBaseline:
 
     @torch.inference_mode()
     def generate_batch(self, requests: list[list[dict]], tokens: int) -> Timing:
-        """All `requests` (with their images) through the processor at once, left-padded, and one
-        greedy `generate` call of exactly `tokens` new tokens each, timed from the raw requests.
+        """All `requests` (with their images) preprocessed at once, left-padded, and one greedy
+        `generate` call of exactly `tokens` new tokens each, timed from the raw requests.
         The Timing is the batch's: its first and last step (every row gets its token at once);
         `completion_tokens` is the tokens of one row (steps), checked against the output."""
         clock = _TokenTimes()
         start = perf_counter()
-        prompts = [hf_prompt(m) for m in requests]
-        texts = [self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-                 for msgs, _ in prompts]
-        images = [img for _, imgs in prompts for img in imgs]
-        inputs = self.processor(text=texts, images=images or None, padding=True, padding_side="left",
-                                return_tensors="pt")
+        inputs = self._batch_inputs(requests)
         out = self.model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                   streamer=clock)
         first, last = clock.times[0], clock.times[-1]
@@ -88,29 +111,95 @@ class HFBaseline:
         return Timing(first - start, last - start, tokens)
 
 
+class QwenHFBaseline(HFBaseline):
+    """A Qwen2-VL checkpoint: tokenizer + `Qwen2VLImageProcessorPil` + the model, inputs by hand.
+    transformers computes M-RoPE positions with the attention mask (left padding is skipped), so
+    a padded row generates what it generates alone (tests/test_bench_qwen.py checks it)."""
+
+    def _load_preprocessing(self, path) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.chat_template is None:
+            self.tokenizer.chat_template = _saved_template(Path(path))  # the adapter's fallback: both render alike
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+
+    def _inputs(self, messages: list[dict]) -> dict:
+        msgs, images = hf_prompt(messages)
+        return build_inputs(self.tokenizer, self.image_processor, msgs, images)
+
+    def _batch_inputs(self, requests: list[list[dict]]) -> dict:
+        return left_pad([self._inputs(m) for m in requests], self.tokenizer.pad_token_id)
+
+
+def left_pad(rows: list[dict], pad_id: int) -> dict:
+    """One batch of single-row Qwen2-VL inputs: input_ids / attention_mask / mm_token_type_ids
+    left-padded with pad_id / 0 / 0, pixel_values and image_grid_thw concatenated in row order
+    (the model takes each image's patches by its grid, in the order its placeholders appear)."""
+    width = max(r["input_ids"].shape[1] for r in rows)
+
+    def padded(key: str, value: int) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(r[key], (width - r[key].shape[1], 0), value=value) for r in rows])
+
+    out = {"input_ids": padded("input_ids", pad_id), "attention_mask": padded("attention_mask", 0),
+           "mm_token_type_ids": padded("mm_token_type_ids", 0)}
+    with_images = [r for r in rows if "pixel_values" in r]
+    if with_images:
+        out["pixel_values"] = torch.cat([r["pixel_values"] for r in with_images])
+        out["image_grid_thw"] = torch.cat([r["image_grid_thw"] for r in with_images])
+    return out
+
+
 class SuffixPrefill:
-    """Times `adapter.prefill` of a prompt's suffix on top of a precomputed KV cache of its first
-    `hit` tokens: the least work a prefix-cache hit can cost."""
+    """Times the prefill of a prompt's suffix on top of a precomputed KV cache of its first `hit`
+    tokens: the least work a prefix-cache hit can cost."""
 
     def __init__(self, path):
-        self.adapter = LlavaAdapter(MODEL, path)
+        self.adapter = load_adapter(MODEL, path)
+
+    def _prompt(self, messages: list[dict]):
+        """(embeddings [1, T, H], M-RoPE positions [3, T] or None, T) of the whole prompt."""
+        a = self.adapter
+        msgs, images = hf_prompt(messages)
+        prompt = a.tokenize(msgs, images)
+        embeds = a.encode_images(a.pixel_values(images)) if images else []
+        full = a.embed(prompt.input_ids, [(s.start, e) for s, e in zip(prompt.spans, embeds)])
+        n = len(prompt.input_ids)
+        return full, a.rope_positions(prompt, n, 0, n), n
 
     @torch.inference_mode()
     def time(self, messages: list[dict], hit: int, repeats: int = 3) -> tuple[float, int]:
         """(median seconds, suffix tokens) of prefilling the tokens after `hit`."""
-        a = self.adapter
-        msgs, images = hf_prompt(messages)
-        prompt = a.preprocess(msgs, images)
-        embeds = a.encode_images(prompt.pixel_values) if images else []
-        full = a.embed(prompt.input_ids, [(s.start, e) for s, e in zip(prompt.spans, embeds)])
-        prefix = a.prefill(full[:, :hit]).cache if hit else None
+        full, positions, n = self._prompt(messages)
+        prefix = self.prefill(full[:, :hit], None, 0, _cols(positions, 0, hit)).cache if hit else None
         times = []
         for _ in range(repeats):
             cache = self._copy(prefix)
             t0 = perf_counter()
-            a.prefill(full[:, hit:], cache, start=hit)
+            self.prefill(full[:, hit:], cache, hit, _cols(positions, hit, n))
             times.append(perf_counter() - t0)
-        return median(times), len(prompt.input_ids) - hit
+        return median(times), n - hit
+
+    @torch.inference_mode()
+    def suffix_logits(self, messages: list[dict], hit: int) -> torch.Tensor:
+        """The last position's logits after the suffix prefill (what `time` times), for tests."""
+        full, positions, n = self._prompt(messages)
+        prefix = self.prefill(full[:, :hit], None, 0, _cols(positions, 0, hit)).cache if hit else None
+        return self.prefill(full[:, hit:], prefix, hit, _cols(positions, hit, n)).logits
+
+    @torch.inference_mode()
+    def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None, start: int,
+                positions: torch.Tensor | None) -> StepOutput:
+        """The text model over [1, T, H] embeddings after `start` cached positions. 1-D positions:
+        the adapter's own prefill (LLaVA). M-RoPE: `positions` [3, T] are passed as position_ids
+        [3, 1, T], since the language model's default (index, equal in all three) is wrong for every
+        token at or after an image."""
+        a = self.adapter
+        if positions is None:
+            return a.prefill(inputs_embeds, cache, start=start)
+        cache = cache if cache is not None else DynamicCache(config=a.text_config)
+        out = a.model.model.language_model(inputs_embeds=inputs_embeds, position_ids=positions.to(a.device).unsqueeze(1),
+                                           past_key_values=cache, use_cache=True)
+        logits = a.model.lm_head(out.last_hidden_state[:, -1, :])
+        return StepOutput(logits.float(), out.past_key_values)
 
     def _copy(self, cache: DynamicCache | None) -> DynamicCache | None:
         """A fresh copy (DynamicCache grows in place)."""
@@ -118,3 +207,7 @@ class SuffixPrefill:
             return None
         layers = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         return DynamicCache(ddp_cache_data=layers, config=self.adapter.text_config)
+
+
+def _cols(positions: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if positions is None else positions[:, start:end]

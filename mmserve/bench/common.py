@@ -11,6 +11,8 @@ import statistics
 from dataclasses import dataclass
 from time import perf_counter
 
+from PIL import Image
+
 from mmserve.models.demo import COLORS, SHAPES, render_image
 from mmserve.api.openai_json import usage as usage_json
 
@@ -58,6 +60,31 @@ def assistant(text: str) -> dict:
 def ask(i: int, question: str = QUESTIONS[0]) -> list[dict]:
     """A one-turn request about image i."""
     return [user(question, image(i))]
+
+
+QWEN_IMAGE_SIZES = ((224, 224), (336, 224), (224, 336), (448, 252), (280, 420))
+"""(width, height) the Qwen2-VL family's images cycle over: its token count follows an image's size
+(bench-qwen: 64, 96, 96, 144 and 150 tokens), so a run exercises placeholder runs of several
+lengths and grids that shift later M-RoPE positions differently."""
+
+
+class Images:
+    """The images of one run. Without `sizes`, image i is `image(i)` exactly (LLaVA runs: their
+    figures are compared with earlier runs'); with `sizes`, it is resized to sizes[i % len(sizes)]
+    (distinct indices still give distinct pixels)."""
+
+    def __init__(self, sizes: tuple[tuple[int, int], ...] = ()):
+        self.sizes = tuple(tuple(s) for s in sizes)
+
+    def __call__(self, i: int):
+        img = image(i)
+        if not self.sizes:
+            return img
+        return img.resize(self.sizes[i % len(self.sizes)], Image.Resampling.BICUBIC)
+
+    def ask(self, i: int, question: str = QUESTIONS[0]) -> list[dict]:
+        """A one-turn request about image i."""
+        return [user(question, self(i))]
 
 
 # -- timed requests ----------------------------------------------------------------------

@@ -10,8 +10,9 @@ from typing import Callable
 
 import httpx
 
-from mmserve.bench.baselines import HFBaseline, SuffixPrefill
-from mmserve.bench.common import QUESTIONS, Timing, ask, timed_chat, timed_http
+from mmserve.bench.baselines import HFBaseline, SuffixPrefill, hf_baseline
+from mmserve.bench.common import QUESTIONS, QWEN_IMAGE_SIZES, Images, Timing, timed_chat, timed_http
+from mmserve.bench.model import QWEN, family
 from mmserve.bench.params import BenchParams
 from mmserve.bench.servers import bench_config, http_server, open_runtime
 from mmserve.actors import compute
@@ -25,6 +26,9 @@ class Bench:
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
         self.note = note
+        self.family = family(self.model_dir)  # "llava" or "qwen2_vl", from config.json
+        # Qwen2-VL's token count follows an image's size: vary it; LLaVA keeps its 64x64 images
+        self.images = Images(QWEN_IMAGE_SIZES if self.family == QWEN else ())
         self._images = itertools.count()
         self._warmups = itertools.count(WARMUP_IMAGE)
         self._hf: HFBaseline | None = None
@@ -35,6 +39,14 @@ class Bench:
         """An image index no earlier request of this run has used (so no cache can know it)."""
         return next(self._images)
 
+    def image(self, i: int):
+        """Image i of this run (see `Images`)."""
+        return self.images(i)
+
+    def ask(self, i: int, question: str = QUESTIONS[0]) -> list[dict]:
+        """A one-turn request about image i of this run."""
+        return self.images.ask(i, question)
+
     # The baselines run on mmserve's compute thread, like mmserve's own model steps: torch work on
     # a second thread would start a second OpenMP team, and with more OpenMP threads than CPUs
     # libgomp stops spin-waiting between ops in *every* team, slowing both sides of a comparison
@@ -43,8 +55,8 @@ class Bench:
     async def _hf_baseline(self) -> HFBaseline:
         if self._hf is None:
             self.note("loading HF baseline")
-            self._hf = await compute.run(HFBaseline, self.model_dir)
-            await compute.run(self._hf.generate, ask(next(self._warmups)), 2)
+            self._hf = await compute.run(hf_baseline, self.model_dir)
+            await compute.run(self._hf.generate, self.ask(next(self._warmups)), 2)
         return self._hf
 
     async def hf_generate(self, messages: list[dict], tokens: int) -> Timing:
@@ -57,7 +69,7 @@ class Bench:
         greedy tokens each; warmed up first by a batch of two (batched shapes differ)."""
         hf = await self._hf_baseline()
         if not self._hf_batch_warm:
-            await compute.run(hf.generate_batch, [ask(next(self._warmups)) for _ in range(2)], 2)
+            await compute.run(hf.generate_batch, [self.ask(next(self._warmups)) for _ in range(2)], 2)
             self._hf_batch_warm = True
         return await compute.run(hf.generate_batch, requests, tokens)
 
@@ -66,7 +78,7 @@ class Bench:
         if self._ref is None:
             self.note("loading reference adapter")
             self._ref = await compute.run(SuffixPrefill, self.model_dir)
-            await compute.run(self._ref.time, ask(next(self._warmups)), 0, 1)
+            await compute.run(self._ref.time, self.ask(next(self._warmups)), 0, 1)
         return await compute.run(self._ref.time, messages, hit, repeats)
 
     def config(self, prefix: bool = True, encoder: bool = True):
@@ -77,7 +89,7 @@ class Bench:
         """An embedded Runtime, warmed up by one request (on an image no scenario uses)."""
         self.note(f"starting runtime (prefix cache {'on' if prefix else 'off'}, encoder cache {'on' if encoder else 'off'})")
         async with open_runtime(self.config(prefix, encoder)) as rt:
-            await timed_chat(rt, ask(next(self._warmups), QUESTIONS[1]), 2)
+            await timed_chat(rt, self.ask(next(self._warmups), QUESTIONS[1]), 2)
             yield rt
 
     @asynccontextmanager
@@ -87,5 +99,5 @@ class Bench:
         async with http_server(self.config(prefix, encoder), self.params.http, self.workdir) as url:
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
             async with httpx.AsyncClient(limits=limits, timeout=None) as client:
-                await timed_http(client, url, ask(next(self._warmups), QUESTIONS[1]), 2)
+                await timed_http(client, url, self.ask(next(self._warmups), QUESTIONS[1]), 2)
                 yield client, url

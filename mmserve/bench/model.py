@@ -7,6 +7,11 @@ tokens/s measured at the client would then be meaningless. So the builder zeroes
 rows of every token that does not decode to visible text on its own (special tokens included):
 their logits are 0 while the best of the ~200 others is positive, so greedy decoding never picks
 them. Shapes and costs are those of the preset; nothing else changes.
+
+Both families are built this way: LLaVA presets (`bench`, `tiny`, ...) and Qwen2-VL ones
+(`bench-qwen`, `tiny-qwen`, ...; the Qwen tokenizer's vision tokens are special, so a random
+Qwen model never emits an image pad either). Which family a checkpoint is comes from its
+config.json, as for `mmserve serve`.
 """
 
 from __future__ import annotations
@@ -18,8 +23,23 @@ from pathlib import Path
 import torch
 
 from mmserve.models.demo.build import build_model, build_processor, get_preset, save
+from mmserve.models.demo.qwen import (QWEN_PRESETS, build_image_processor, build_qwen_model, get_qwen_preset,
+                                      save_qwen)
+from mmserve.models.demo.tokenizer import build_qwen_tokenizer
+from mmserve.models.loading import FAMILIES, model_type
 
 MARKER = "bench-model.json"
+QWEN = "qwen2_vl"
+
+
+def family(model_dir) -> str:
+    """The checkpoint's model_type as the benchmark treats it: "qwen2_vl", else "llava" (what
+    `load_adapter` takes a missing or unreadable config.json for, too)."""
+    return QWEN if model_type(model_dir) == QWEN else "llava"
+
+
+def family_name(kind: str) -> str:
+    return FAMILIES.get(kind, kind)
 
 
 def _streams_as_text(tokenizer, token_id: int) -> bool:
@@ -27,20 +47,32 @@ def _streams_as_text(tokenizer, token_id: int) -> bool:
     return bool(text.strip()) and "\ufffd" not in text and token_id not in tokenizer.all_special_ids
 
 
-def build_bench_model(preset: str, out_dir) -> Path:
-    processor = build_processor(preset)
-    tok = processor.tokenizer
-    model = build_model(preset, tok, seed=0)
+def _silence(model, tok) -> int:
     silent = [i for i in range(model.lm_head.weight.shape[0]) if not _streams_as_text(tok, i)]
     with torch.no_grad():
         model.lm_head.weight[silent] = 0
-    out = save(model, processor, out_dir)
-    (out / MARKER).write_text(json.dumps(dict(_identity(preset), silent_tokens_zeroed=len(silent))) + "\n")
+    return len(silent)
+
+
+def build_bench_model(preset: str, out_dir) -> Path:
+    if preset in QWEN_PRESETS:
+        tok = build_qwen_tokenizer()
+        model = build_qwen_model(preset, tok, seed=0)
+        silent = _silence(model, tok)
+        out = save_qwen(model, tok, build_image_processor(preset), out_dir)
+    else:
+        processor = build_processor(preset)
+        model = build_model(preset, processor.tokenizer, seed=0)
+        silent = _silence(model, processor.tokenizer)
+        out = save(model, processor, out_dir)
+    (out / MARKER).write_text(json.dumps(dict(_identity(preset), silent_tokens_zeroed=silent)) + "\n")
     return out
 
 
 def _identity(preset: str) -> dict:
-    return {"preset": preset, "shape": dataclasses.asdict(get_preset(preset)), "seed": 0}
+    shape = get_qwen_preset(preset) if preset in QWEN_PRESETS else get_preset(preset)
+    # through JSON, as the marker holds it: a tuple field reads back as a list
+    return json.loads(json.dumps({"preset": preset, "shape": dataclasses.asdict(shape), "seed": 0}))
 
 
 def ensure_model(model_dir, preset: str) -> Path:
@@ -52,3 +84,25 @@ def ensure_model(model_dir, preset: str) -> Path:
     if {k: built.get(k) for k in ("preset", "shape", "seed")} != _identity(preset):
         build_bench_model(preset, model_dir)
     return model_dir
+
+
+def built_preset(model_dir) -> str | None:
+    """The preset a benchmark checkpoint was built from; None for any other checkpoint."""
+    try:
+        return json.loads((Path(model_dir) / MARKER).read_text()).get("preset")
+    except (OSError, ValueError):
+        return None
+
+
+def tokens_per_image(model_dir, images, n: int) -> dict[str, int]:
+    """Image tokens of images(0..n-1), keyed "WxH", as the checkpoint's Qwen2-VL image processor
+    counts them (the image's grid, merged): the placeholder run each image takes in a prompt."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    out = {}
+    for i in range(n):
+        img = images(i)
+        grid = processor(images=[img], return_tensors="pt")["image_grid_thw"][0]
+        out[f"{img.width}x{img.height}"] = int(grid.prod()) // processor.merge_size ** 2
+    return out

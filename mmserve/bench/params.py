@@ -10,7 +10,7 @@ ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_imag
 @dataclass(frozen=True)
 class BenchParams:
     name: str
-    preset: str = "bench"  # demo-model preset built when no --model-dir is given
+    preset: str = "bench"  # random-weight preset built when no --model-dir is given (bench-qwen: Qwen2-VL)
     scenarios: tuple[str, ...] = ALL_SCENARIOS
     torch_threads: int = 2
     http: str = "subprocess"  # "subprocess": `mmserve serve` in its own process; "inprocess": same trio run

@@ -59,6 +59,14 @@ def unavailable() -> str | None:
     return None
 
 
+def unsupported(family: str) -> str | None:
+    """Why `transformers serve` cannot serve a checkpoint of this family here, or None."""
+    if family == "qwen2_vl":  # mmserve.bench.model.QWEN (peer.py stays free of the model builders)
+        return ("`transformers serve` loads a Qwen2-VL checkpoint with AutoProcessor, whose video processor "
+                "needs torchvision (no build of it fits this torch)")
+    return None
+
+
 def command(model_dir: Path) -> list[str]:
     """`transformers serve` for `model_dir` on 127.0.0.1, a free port (uvicorn logs the one it got),
     on the CPU in float32 (as mmserve and the HF baseline run it)."""

@@ -67,8 +67,8 @@ def _summary_cells(r: dict) -> list:
 def markdown(report: dict) -> str:
     meta = report["meta"]
     parts = [
-        f"# mmserve benchmark ({meta['params']['name']})",
-        f"Model `{meta['model_dir']}` (preset `{meta['params']['preset']}`), torch threads "
+        f"# mmserve benchmark ({meta['params']['name']}): {_model_title(meta)}",
+        f"Model `{meta['model_dir']}` ({_model_title(meta)}), torch threads "
         f"{meta['torch_threads']}, {meta['cpu_count']} CPUs, load average {fmt(meta['loadavg_start'])} at start and "
         f"{fmt(meta['loadavg_end'])} at the end; took {meta['duration_s']:.0f} s. torch {meta['torch']}, "
         f"transformers {meta['transformers']}.",
@@ -78,11 +78,30 @@ def markdown(report: dict) -> str:
         "(3-5), the cold first request (4), the bare suffix prefill (3). Greedy decoding, fixed lengths "
         "(min_tokens = max_tokens).",
         *_load_warning(meta),
+        *_image_tokens(meta),
         "## Summary",
         table(COLUMNS, [_summary_cells(r) for r in report["summary"]]),
     ]
     parts += _details(report["scenarios"])
     return "\n\n".join(parts) + "\n"
+
+
+def _model_title(meta: dict) -> str:
+    """The family and preset, e.g. Qwen2-VL, preset `bench-qwen` (reports from before the family
+    was recorded are LLaVA runs)."""
+    preset = meta.get("preset", meta["params"]["preset"])
+    where = f"preset `{preset}`" if preset else "a checkpoint not built by the benchmark"
+    return f"{meta.get('family', 'LLaVA')}, {where}"
+
+
+def _image_tokens(meta: dict) -> list[str]:
+    """The image tokens over the sizes used, where they vary with the size (Qwen2-VL)."""
+    tokens = meta.get("tokens_per_image")
+    if not tokens:
+        return []
+    sizes = ", ".join(f"{size} → {n}" for size, n in tokens.items())
+    return [f"Images vary in size (cycled, request by request), so does their token count: tokens per image over "
+            f"the sizes used (W x H → tokens): {sizes}; mean {sum(tokens.values()) / len(tokens):.0f}."]
 
 
 def _load_warning(meta: dict) -> list[str]:
@@ -161,7 +180,8 @@ def plot(report: dict, path: Path) -> None:
     _plot_concurrency(axes[0][1], sc.get("concurrency", {}))
     _plot_multiturn(axes[1][0], sc.get("multiturn", {}))
     _plot_targets(axes[1][1], report["summary"])
-    fig.suptitle(f"mmserve benchmark ({report['meta']['params']['name']}) — ratios measured side by side")
+    title = _model_title(report["meta"]).replace("`", "")
+    fig.suptitle(f"mmserve benchmark ({report['meta']['params']['name']}; {title}) — ratios measured side by side")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

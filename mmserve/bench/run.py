@@ -15,7 +15,7 @@ import trio
 from tqdm import tqdm
 
 from mmserve.bench.context import Bench
-from mmserve.bench.model import ensure_model
+from mmserve.bench.model import QWEN, built_preset, ensure_model, family_name, tokens_per_image
 from mmserve.bench.params import BenchParams
 from mmserve.bench.report import write_reports
 from mmserve.bench.scenarios import SCENARIOS
@@ -33,7 +33,9 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
         meta = _meta(params, model_dir)
         start = time.perf_counter()
         with tqdm(total=len(params.scenarios), desc="bench", unit="scenario", disable=not progress) as bar:
-            results = trio.run(_run_scenarios, params, model_dir, out, bar)
+            bench = Bench(params, model_dir, out, note=bar.set_postfix_str)
+            meta.update(_family_meta(bench))
+            results = trio.run(_run_scenarios, bench, bar)
         meta.update(duration_s=time.perf_counter() - start, loadavg_end=_loadavg(),
                     thread_probe_end=thread_probe(params.torch_threads))
     summary = [r for res in results.values() for r in res.pop("rows", [])]
@@ -59,10 +61,9 @@ def _quiet_process_settings(threads: int):
         torch.set_num_threads(saved[2])
 
 
-async def _run_scenarios(params: BenchParams, model_dir: Path, out: Path, bar: tqdm) -> dict:
+async def _run_scenarios(bench: Bench, bar: tqdm) -> dict:
     results = {}
-    bench = Bench(params, model_dir, out, note=bar.set_postfix_str)
-    for name in params.scenarios:
+    for name in bench.params.scenarios:
         bar.set_description(name)
         results[name] = await _run_one(name, bench)
         bar.update(1)
@@ -106,6 +107,17 @@ def thread_probe(threads: int, repeats: int = 20) -> dict:
             times.append((time.perf_counter() - t0) * 1000)
         out[f"matmul_ms_{n}_threads"] = round(sorted(times)[repeats // 2], 3)
     torch.set_num_threads(threads)
+    return out
+
+
+def _family_meta(bench: Bench) -> dict:
+    """Which family and preset ran (the preset: None for a checkpoint the benchmark did not build)
+    and, where the images vary in size (Qwen2-VL), the sizes used and each one's image tokens."""
+    out = {"family": family_name(bench.family), "model_type": bench.family, "preset": built_preset(bench.model_dir)}
+    sizes = bench.images.sizes
+    if bench.family == QWEN and sizes:
+        out["image_sizes"] = [list(s) for s in sizes]
+        out["tokens_per_image"] = tokens_per_image(bench.model_dir, bench.images, len(sizes))
     return out
 
 

@@ -4,7 +4,7 @@ images with identical text (cache-on output must equal cache-off output)."""
 
 from __future__ import annotations
 
-from mmserve.bench.common import (MODEL, QUESTIONS, SYSTEM_A, SYSTEM_B, Timing, assistant, image, median, ratio, row,
+from mmserve.bench.common import (MODEL, QUESTIONS, SYSTEM_A, SYSTEM_B, Timing, assistant, median, ratio, row,
                                   system, timed_chat, user)
 from mmserve.bench.context import Bench
 from mmserve.bench.scenarios.shared import at_most
@@ -19,7 +19,7 @@ async def multiturn(b: Bench) -> dict:
     per_turn: list[list[dict]] = [[] for _ in range(p.turns)]
     async with b.runtime(prefix=True) as on, b.runtime(prefix=False) as off:
         for c in range(p.conversations):
-            history, img = [system(SYSTEM_A)], image(b.new_image())
+            history, img = [system(SYSTEM_A)], b.image(b.new_image())
             for k in range(p.turns):
                 b.note(f"conversation {c + 1}/{p.conversations}, turn {k + 1}/{p.turns}")
                 history.append(user(QUESTIONS[k % len(QUESTIONS)], img if k == 0 else None))
@@ -82,7 +82,7 @@ async def same_image(b: Bench) -> dict:
     runs: dict[str, list[dict]] = {"encoder_cache_on": [], "encoder_cache_off": []}
     async with b.runtime() as enc_on, b.runtime(encoder=False) as enc_off:
         for r in range(p.image_repeats):
-            img = image(b.new_image())
+            img = b.image(b.new_image())
             for name, rt in (("encoder_cache_on", enc_on), ("encoder_cache_off", enc_off)):
                 b.note(f"repeat {r + 1}/{p.image_repeats}, {name}")
                 runs[name].append(await _same_image_once(rt, img, p.answer_tokens, f"si{r}"))
@@ -117,7 +117,7 @@ async def three_images(b: Bench) -> dict:
     """Three different images with identical text, then the same three again: cache-on output must
     equal cache-off output (random weights: no answer to check, so equality is the oracle)."""
     p = b.params
-    requests = [[user(QUESTIONS[3], image(b.new_image()))] for _ in range(3)]
+    requests = [[user(QUESTIONS[3], b.image(b.new_image()))] for _ in range(3)]
     async with b.runtime() as on, b.runtime(prefix=False, encoder=False) as off:
         first, reference = [], []
         for i, msgs in enumerate(requests):

@@ -10,7 +10,7 @@ from time import perf_counter
 import trio
 
 from mmserve.bench.arena_usage import ArenaUsage
-from mmserve.bench.common import MODEL, Timing, ask, median, percentile, ratio, row, timed_chat, timed_http
+from mmserve.bench.common import MODEL, Timing, median, percentile, ratio, row, timed_chat, timed_http
 from mmserve.bench.context import Bench
 from mmserve.bench.scenarios.shared import at_least, at_most, brief
 
@@ -23,7 +23,7 @@ MIB = 1024 * 1024
 async def decode(b: Bench) -> dict:
     """Decode tokens/s of one stream: mmserve embedded and over HTTP vs HF `generate`, interleaved."""
     p = b.params
-    msgs = ask(b.new_image())
+    msgs = b.ask(b.new_image())
     runs: dict[str, list[Timing]] = {"embedded": [], "http": [], "hf": []}
     async with b.runtime(prefix=False, encoder=False) as rt, b.server(prefix=False, encoder=False) as (client, url):
         for r in range(p.decode_repeats):
@@ -131,7 +131,7 @@ async def concurrency(b: Bench) -> dict:
     at the top level also vs one batched HF generate of the same requests, and the same requests
     through an embedded runtime whose KV arena usage is sampled."""
     p, top = b.params, max(b.params.levels)
-    requests = [ask(b.new_image()) for _ in range(top)]
+    requests = [b.ask(b.new_image()) for _ in range(top)]
     b.note(f"HF generate x{top}")
     hf_runs = [await b.hf_generate(m, p.sweep_tokens) for m in requests]
     levels = []

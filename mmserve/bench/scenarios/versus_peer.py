@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 
 from mmserve.bench import peer as peer_lib
-from mmserve.bench.common import QUESTIONS, Timing, ask, median, ratio, row, timed_http
+from mmserve.bench.common import QUESTIONS, Timing, median, ratio, row, timed_http
 from mmserve.bench.context import Bench
 from mmserve.bench.scenarios.shared import at_least, brief
 from mmserve.bench.scenarios.throughput import run_level
@@ -33,10 +33,11 @@ async def _timed_text(client, url: str, messages: list[dict], tokens: int) -> Ti
 async def peer(b: Bench) -> dict:
     """Scenarios 1 and 2's workloads against HF `transformers serve` on the same model, side by side
     with an mmserve HTTP server (caches off) started for this scenario: the same requests, mmserve
-    then the peer at every step. Ratios are mmserve / transformers serve. Not installed: skipped.
+    then the peer at every step. Ratios are mmserve / transformers serve. Not installed, or a
+    family it cannot load here (Qwen2-VL): skipped.
     The peer failing to start or to answer: an error row with the end of its log, after whatever was
     measured before; the peer process is always stopped."""
-    reason = peer_lib.unavailable()
+    reason = peer_lib.unsupported(b.family) or peer_lib.unavailable()
     if reason:
         return {"status": "skipped", "reason": reason, "rows": [row(PEER, "transformers serve", f"skipped: {reason}")]}
     p = b.params
@@ -56,9 +57,9 @@ async def peer(b: Bench) -> dict:
         except Exception as e:  # noqa: BLE001  (whatever it is, it is reported, not raised)
             raise peer_lib.PeerError(_leaf_error(e), peer_lib.log_tail(b.workdir / peer_lib.LOG)) from e
 
-    decode_msgs = ask(b.new_image())
+    decode_msgs = b.ask(b.new_image())
     levels_n = _peer_levels(p)
-    requests = [ask(b.new_image()) for _ in range(max(levels_n))]
+    requests = [b.ask(b.new_image()) for _ in range(max(levels_n))]
     decode_runs: dict[str, list[Timing]] = {"mmserve": [], "peer": []}
     levels: list[dict] = []
     out: dict = {"status": "ok", "peer": peer_lib.describe(b.model_dir),
@@ -67,7 +68,7 @@ async def peer(b: Bench) -> dict:
         b.note("starting transformers serve")
         try:  # inside the server's block: a PeerError is caught before a nursery can wrap it in a group
             async with peer_lib.serve(b.model_dir, p.torch_threads, b.workdir) as peer_url:
-                await on_peer(send(client, peer_url, ask(b.new_image(), QUESTIONS[1]), 2))  # warm-up
+                await on_peer(send(client, peer_url, b.ask(b.new_image(), QUESTIONS[1]), 2))  # warm-up
                 for r in range(p.decode_repeats):
                     b.note(f"decode, repeat {r + 1}/{p.decode_repeats}")
                     decode_runs["mmserve"].append(await _timed_text(client, url, decode_msgs, p.decode_tokens))
