@@ -85,7 +85,8 @@ def _flush_and_exit(code: int) -> None:
 def _train_demo(args: argparse.Namespace) -> int:
     from mmserve.models.demo import train_demo_models
 
-    train_demo_models(out_root=args.out, names=tuple(args.name or ("demo", "demo-wide")))
+    names = [*(args.names or ()), *(args.name or ())]
+    train_demo_models(out_root=args.out, names=tuple(names or ("demo", "demo-wide")))
     return 0
 
 
@@ -107,8 +108,18 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"mmserve bench: {problem}", file=sys.stderr)
         return 2
     from mmserve.bench import PARAMS, run_bench
+    from mmserve.models.demo import PRESETS, QWEN_PRESETS
 
-    params = PARAMS["quick" if args.quick else "full"]
+    if args.quick and args.params not in (None, "quick"):
+        print(f"mmserve bench: --quick and --params {args.params} disagree", file=sys.stderr)
+        return 2
+    params = PARAMS[args.params or ("quick" if args.quick else "full")]
+    if args.preset:
+        if args.preset not in PRESETS and args.preset not in QWEN_PRESETS:
+            print(f"mmserve bench: unknown preset {args.preset!r}; LLaVA: {', '.join(PRESETS)}; "
+                  f"Qwen2-VL: {', '.join(QWEN_PRESETS)}", file=sys.stderr)
+            return 2
+        params = replace(params, preset=args.preset)
     if args.scenarios:
         params = replace(params, scenarios=args.scenarios)
     report = run_bench(args.out, params, model_dir=args.model_dir)
@@ -152,20 +163,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train-demo", help="retrain the demo models (deterministic, a few minutes on a CPU)")
     t.add_argument("--out", help="output root (default: the committed checkpoints in the package)")
+    t.add_argument("names", nargs="*", help="demo models to train: demo, demo-wide (the default), demo-qwen")
     t.add_argument("--name", action="append", help="train only this demo model (repeatable)")
     t.set_defaults(func=_train_demo)
 
-    m = sub.add_parser("make-model", help="build a random-weight LLaVA checkpoint of a preset shape")
-    m.add_argument("--preset", default="bench", help="tiny | demo | demo-wide | bench")
+    m = sub.add_parser("make-model", help="build a random-weight LLaVA or Qwen2-VL checkpoint of a preset shape")
+    m.add_argument("--preset", default="bench", help="LLaVA: tiny | demo | demo-wide | bench; "
+                   "Qwen2-VL: tiny-qwen | demo-qwen | bench-qwen | qwen2-vl-7b (~15 GB, bfloat16)")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=_make_model)
 
     b = sub.add_parser("bench", help="benchmark mmserve side by side with raw transformers and with its caches off")
-    b.add_argument("--model-dir", help="a LLaVA checkpoint (default: build the random-weight `bench` preset into "
-                   "<out>/bench-model, reused when present)")
+    b.add_argument("--model-dir", help="a LLaVA or Qwen2-VL checkpoint, the family read from its config.json "
+                   "(default: build the random-weight --preset into <out>/<preset>-model, reused when present)")
+    b.add_argument("--preset", help="the random-weight model to build without --model-dir: bench (LLaVA, the "
+                   "default) or bench-qwen (Qwen2-VL); tiny / tiny-qwen for tests")
     b.add_argument("--out", default="bench-out", help="where report.json, report.md and report.png go")
-    b.add_argument("--quick", action="store_true", help="fewer tokens, levels and turns (a few minutes)")
+    b.add_argument("--params", choices=("full", "quick", "test"), help="the parameter set (default: full); "
+                   "test: seconds, for checking the machinery")
+    b.add_argument("--quick", action="store_true", help="the same as --params quick: fewer tokens, levels and "
+                   "turns (a few minutes)")
     b.add_argument("--scenarios", type=_scenario_list, help="run only these, comma-separated, in the usual order: "
                    "decode, concurrency, multiturn, same_image, three_images, peer (default: all)")
     b.set_defaults(func=_bench)

@@ -48,6 +48,12 @@ def demo_config() -> Config:
 
 
 @pytest.fixture(scope="session")
+def three_model_config(demo_config) -> Config:
+    """`demo`, `demo-wide` and the Qwen2-VL `demo-qwen` (dynamic image sizes, M-RoPE)."""
+    return demo_config.replace(models=(*demo_config.models, ModelConfig("demo-qwen", _demo_dir("demo-qwen"))))
+
+
+@pytest.fixture(scope="session")
 def demo_server(demo_config):
     from tests.helpers import ServerThread
 

@@ -29,7 +29,7 @@ def test_repo_config_parses_and_matches_defaults():
     defaults = Config()
     for section in SECTIONS:
         assert getattr(cfg, section) == getattr(defaults, section), section
-    assert [m.name for m in cfg.models] == ["demo", "demo-wide"] and cfg.default_model == "demo"
+    assert [m.name for m in cfg.models] == ["demo", "demo-wide", "demo-qwen"] and cfg.default_model == "demo"
     assert all(m.resolved_path().is_dir() for m in cfg.models)
 
 
@@ -177,7 +177,7 @@ def test_model_paths_are_checked_when_loading_a_config_file(tmp_path):
                             f"got {str(tmp_path / 'ckpt')!r}")
     (tmp_path / "ckpt").mkdir()
     assert load_config(path).models[0].path == str(tmp_path / "ckpt")  # relative: against the file's directory
-    with pytest.raises(ValueError, match=r"'builtin:demo', 'builtin:demo-wide', got 'builtin:tiny'"):
+    with pytest.raises(ValueError, match=r"'builtin:demo', 'builtin:demo-qwen', 'builtin:demo-wide', got 'builtin:tiny'"):
         config_from_dict({"models": [{"name": "t", "path": "builtin:tiny"}]})
 
 

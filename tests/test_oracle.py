@@ -1,8 +1,10 @@
 """The oracle: greedy output with the caches on equals greedy output with them off, token for
-token, over hypothesis-generated multi-turn, multi-image, two-model workloads with random
-disconnects and a tiny cache budget that forces slot reuse and eviction — once with the
-conversations interleaved turn by turn, once with them running at the same time (batched decode,
-in-flight dedup, commits and evictions while other requests hold pins)."""
+token, over hypothesis-generated multi-turn, multi-image, three-model workloads (two LLaVAs and a
+Qwen2-VL, with images of different sizes and aspect ratios, so a Qwen2-VL image makes 4 to 64
+tokens and shifts the M-RoPE positions after it by its grid) with random disconnects and a tiny
+cache budget that forces slot reuse and eviction — once with the conversations interleaved turn
+by turn, once with them running at the same time (batched decode, in-flight dedup, commits and
+evictions while other requests hold pins)."""
 
 import threading
 from dataclasses import dataclass
@@ -16,7 +18,10 @@ from mmserve import SyncRuntime
 from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image
 from tests.helpers import assert_nothing_held, image_part
 
-IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i) for i in range(5)]
+SIZES = [None, (112, 48), (40, 96), (128, 128), (72, 56), (32, 32), (120, 40)]  # None: the 64x64 default
+IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i, size=size)
+          for i, size in enumerate(SIZES)]
+MODELS = ["demo", "demo-wide", "demo-qwen"]
 SYSTEMS = [None, "Answer briefly.", "You are a helpful assistant."]
 SINGLE = [Q_COLOR, Q_BACKGROUND, Q_SHAPE]
 
@@ -44,7 +49,7 @@ def conversations(draw):
     for t in range(draw(st.integers(1, 3))):
         turns.append(Turn(images if t == 0 else (), draw(st.sampled_from(questions)),
                           draw(st.one_of(st.none(), st.none(), st.integers(0, 1)))))
-    return Conversation(draw(st.sampled_from(["demo", "demo-wide"])), draw(st.sampled_from(SYSTEMS)), tuple(turns))
+    return Conversation(draw(st.sampled_from(MODELS)), draw(st.sampled_from(SYSTEMS)), tuple(turns))
 
 
 def user_message(turn: Turn) -> dict:
@@ -62,12 +67,13 @@ def run_turn(rt, model, messages, disconnect_after):
 
 
 @pytest.fixture(scope="module")
-def runtimes(demo_config):
-    # a tiny arena: 20 blocks of 8 tokens for demo (fewer for demo-wide), where one 3-turn
-    # conversation takes up to 11: concurrent conversations preempt each other and evict what is cached
-    cached = demo_config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384},
-                                 encoder_cache={"max_entries": 3})
-    with SyncRuntime(demo_config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
+def runtimes(three_model_config):
+    # a tiny arena: 20 blocks of 8 tokens for demo (fewer for demo-wide, more for demo-qwen's
+    # smaller KV heads), where one 3-turn conversation takes up to 11: concurrent conversations
+    # preempt each other and evict what is cached
+    config = three_model_config
+    cached = config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384}, encoder_cache={"max_entries": 3})
+    with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
         with SyncRuntime(cached) as on:
             yield on, off
 
@@ -128,12 +134,13 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
     sequences are preempted and recomputed, cached blocks are evicted — and every answer equals
     its cache-off answer, with nothing held afterwards."""
     on, off = runtimes
-    images = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=1300 + i) for i in range(16)]
-    convos = [("demo" if i % 4 else "demo-wide",
+    images = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=1300 + i, size=SIZES[i % len(SIZES)])
+              for i in range(16)]
+    convos = [(MODELS[i % 3],
                [{"role": "user", "content": [image_part(img), {"type": "text", "text": SINGLE[i % 3]}]}])
               for i, img in enumerate(images)]
     expected = [off.chat_completion(m, model=model, temperature=0, max_tokens=8, min_tokens=8).text for model, m in convos]
-    before = sum(on.runtime.registry.require(n).generator.preemptions for n in ("demo", "demo-wide")
+    before = sum(on.runtime.registry.require(n).generator.preemptions for n in MODELS
                  if n in on.runtime.registry.loaded)
     got: list = [None] * len(convos)
 
@@ -147,6 +154,6 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
     for t in threads:
         t.join(timeout=120)
     assert got == expected
-    after = sum(on.runtime.registry.require(n).generator.preemptions for n in ("demo", "demo-wide"))
+    after = sum(on.runtime.registry.require(n).generator.preemptions for n in MODELS)
     assert after > before, "the arena was large enough: nothing was preempted"
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)

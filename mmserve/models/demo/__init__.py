@@ -6,6 +6,9 @@
 - :func:`build_untrained` saves a random-init checkpoint of a preset; :func:`checkpoint_dir` is
   where a trained one lives; :func:`train_demo_models` (``mmserve train-demo``) retrains them.
 - ``python -m mmserve.models.demo.evaluate demo demo-wide`` prints held-out accuracy.
+- :data:`QWEN_PRESETS` (:mod:`.qwen`): the Qwen2-VL family: ``demo-qwen`` (trained, committed),
+  ``tiny-qwen`` / ``bench-qwen`` / ``qwen2-vl-7b`` (random weights); ``build_untrained`` and
+  ``train_demo_models`` take their names too (``python -m mmserve.models.demo.qwen_evaluate``).
 
 Every checkpoint is a plain ``LlavaForConditionalGeneration`` (CLIP vision tower, Llama text model)
 with a ``LlavaProcessor`` (``CLIPImageProcessorPil``, byte-level BPE fast tokenizer) and this chat
@@ -21,6 +24,7 @@ The model answers `` circle</s>`` (strip the leading space).
 """
 
 from .build import PRESETS, Preset, build_untrained, checkpoint_dir
+from .qwen import QWEN_PRESETS, QwenPreset
 from .render import (
     BACKGROUNDS,
     COLORS,
@@ -35,10 +39,18 @@ from .render import (
 
 
 def train_demo_models(out_root=None, names=("demo", "demo-wide"), log=print):
-    """Build and train the demo checkpoints (see :mod:`mmserve.models.demo.train`)."""
+    """Build and train the demo checkpoints (:mod:`.train`; Qwen2-VL names: :mod:`.qwen_train`)."""
+    import pathlib
+
+    from .qwen_train import train as train_qwen
     from .train import train_demo_models as _train
 
-    return _train(out_root=out_root, names=names, log=log)
+    llava = tuple(n for n in names if n not in QWEN_PRESETS)
+    results = _train(out_root=out_root, names=llava, log=log) if llava else []
+    for name in (n for n in names if n in QWEN_PRESETS):
+        out = pathlib.Path(out_root) / name if out_root is not None else checkpoint_dir(name)
+        results.append(train_qwen(name, out, log=log))
+    return results
 
 
 __all__ = [
@@ -46,6 +58,8 @@ __all__ = [
     "COLORS",
     "PRESETS",
     "Preset",
+    "QWEN_PRESETS",
+    "QwenPreset",
     "Q_BACKGROUND",
     "Q_COLOR",
     "Q_FIRST",

@@ -211,7 +211,14 @@ def save(model, processor, out_dir) -> pathlib.Path:
 
 
 def build_untrained(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
-    """Build tokenizer + processor + random-init model for ``preset`` and save them to out_dir."""
+    """Build tokenizer + processor + random-init model for ``preset`` and save them to out_dir.
+
+    Qwen2-VL preset names (``tiny-qwen``, ``bench-qwen``, ...) go to :mod:`.qwen`.
+    """
+    from .qwen import QWEN_PRESETS, build_untrained_qwen  # lazy: qwen imports this module
+
+    if isinstance(preset, str) and preset in QWEN_PRESETS:
+        return build_untrained_qwen(preset, out_dir, seed=seed)
     processor = build_processor(preset)
     model = build_model(preset, processor.tokenizer, seed=seed)
     return save(model, processor, out_dir)

@@ -57,11 +57,14 @@ def _rotate(points, cx, cy, angle):
 
 
 def render_image(
-    color: str, shape: str, background: str | None = None, seed: int = 0
+    color: str, shape: str, background: str | None = None, seed: int = 0,
+    size: tuple[int, int] | None = None,
 ) -> Image.Image:
     """Render a ``color`` ``shape`` on a plain ``background`` as a 64x64 RGB image.
 
-    ``background=None`` picks one of :data:`BACKGROUNDS` from the seed.
+    ``background=None`` picks one of :data:`BACKGROUNDS` from the seed. ``size=(width, height)``
+    draws on a canvas of that size instead (the shape scales with the shorter side and may sit
+    anywhere along the longer one); ``None`` keeps the 64x64 output byte for byte.
     """
     if color not in COLOR_RGB:
         raise ValueError(f"unknown color {color!r}; expected one of {COLORS}")
@@ -76,16 +79,20 @@ def render_image(
 
     bg_rgb = _jitter(BACKGROUND_RGB[background], _BACKGROUND_JITTER, rng)
     fg_rgb = _jitter(COLOR_RGB[color], _SHAPE_JITTER, rng)
-    side = float(rng.uniform(_MIN_SIDE, _MAX_SIDE))
+    width, height = (IMAGE_SIZE, IMAGE_SIZE) if size is None else (int(size[0]), int(size[1]))
+    if min(width, height) < 8:
+        raise ValueError(f"image size {size} too small (min side 8)")
+    scale = min(width, height) / IMAGE_SIZE  # exactly 1.0 at the default size: same floats
+    side = float(rng.uniform(_MIN_SIDE, _MAX_SIDE)) * scale
     half = side / 2
     extent = half * (1.12 if shape == "triangle" else 1.0)  # rotated triangle reaches further
-    lo, hi = _MARGIN + extent, IMAGE_SIZE - _MARGIN - extent
-    cx = float(rng.uniform(lo, hi))
-    cy = float(rng.uniform(lo, hi))
+    margin = _MARGIN * scale
+    cx = float(rng.uniform(margin + extent, width - margin - extent))
+    cy = float(rng.uniform(margin + extent, height - margin - extent))
     angle = math.radians(float(rng.uniform(-_MAX_ROTATION_DEG, _MAX_ROTATION_DEG)))
 
     k = _SUPERSAMPLE
-    big = Image.new("RGB", (IMAGE_SIZE * k, IMAGE_SIZE * k), bg_rgb)
+    big = Image.new("RGB", (width * k, height * k), bg_rgb)
     draw = ImageDraw.Draw(big)
     if shape == "circle":
         r = half * 0.98
@@ -99,4 +106,4 @@ def render_image(
             pts = [(cx, top), (cx + half, bottom), (cx - half, bottom)]
         pts = _rotate(pts, cx, cy, angle)
         draw.polygon([(x * k, y * k) for x, y in pts], fill=fg_rgb)
-    return big.resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BOX)
+    return big.resize((width, height), Image.Resampling.BOX)

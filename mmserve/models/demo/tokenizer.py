@@ -12,6 +12,10 @@ Chat format (one line per message; the template writes the BOS, tokenization add
     assistant:
 
 The model then generates `` circle</s>`` (leading space: strip it).
+
+:func:`build_qwen_tokenizer` is the same BPE for the Qwen2-VL demo models, with Qwen's vision
+special tokens instead of ``<image>``; its template writes each image as
+``<|vision_start|><|image_pad|><|vision_end|>`` (one pad: the caller expands it per image).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from . import render
 BOS, EOS, PAD, IMAGE = "<s>", "</s>", "<pad>", "<image>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, IMAGE)
 VOCAB_SIZE = 360
+
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
+    "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+QWEN_SPECIAL_TOKENS = (BOS, EOS, PAD, VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
+QWEN_IMAGE = VISION_START + IMAGE_PAD + VISION_END
 
 CHAT_TEMPLATE = (
     "{{- '<s>' -}}"
@@ -45,6 +54,7 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}"
 )
+QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<image>' -}}", "{{- '" + QWEN_IMAGE + "' -}}")
 
 
 def _corpus() -> list[str]:
@@ -67,15 +77,18 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_backend() -> Tokenizer:
-    """Train the byte-level BPE (deterministic for a given corpus)."""
+def build_backend(special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer:
+    """Train the byte-level BPE (deterministic for a given corpus).
+
+    The vocabulary grows with the special tokens, so every variant learns the same merges.
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS) + len(special_tokens),
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -95,4 +108,25 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
     )
     tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_qwen_tokenizer() -> PreTrainedTokenizerFast:
+    """The demo BPE with Qwen2-VL's vision tokens (``tokenizer.image_token`` is ``<|image_pad|>``)."""
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=build_backend(QWEN_SPECIAL_TOKENS),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens={
+            "image_token": IMAGE_PAD,
+            "vision_start_token": VISION_START,
+            "vision_end_token": VISION_END,
+            "video_token": VIDEO_PAD,
+        },
+        padding_side="left",
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = QWEN_CHAT_TEMPLATE
     return tok

@@ -1,0 +1,255 @@
+"""Qwen2-VL presets and builders: the trained ``demo-qwen`` and random-weight shapes of the family.
+
+Every preset is a plain ``Qwen2VLForConditionalGeneration`` saved with ``save_pretrained`` next to
+the demo byte-level BPE tokenizer (Qwen's vision tokens, :func:`.tokenizer.build_qwen_tokenizer`)
+and a ``Qwen2VLImageProcessorPil``. ``Qwen2VLProcessor`` is never built: its video processor needs
+torchvision. A checkpoint directory therefore loads, offline, with three calls::
+
+    tok = AutoTokenizer.from_pretrained(path)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+
+The chat template writes one ``<|vision_start|><|image_pad|><|vision_end|>`` per image; the caller
+expands ``<|image_pad|>`` to the image's token count (grid_h * grid_w / merge**2), as
+``Qwen2VLProcessor`` does. :func:`build_inputs` does exactly that, for tests and evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import torch
+from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from mmserve.config import DEMO_CHECKPOINTS
+
+from .tokenizer import build_qwen_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenPreset:
+    """Sizes of one Qwen2-VL model and its image processor."""
+
+    name: str
+    # image processor (and the vision config's patch geometry)
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    # vision tower
+    vision_embed: int
+    vision_depth: int
+    vision_heads: int
+    # text model
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    mrope_section: tuple[int, int, int]  # sums to head_dim / 2 (temporal, height, width)
+    rope_theta: float = 1e6
+    temporal_patch_size: int = 2
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"  # the 7B shape is built in bfloat16 (its real checkpoints' dtype)
+    trained: bool = False  # True: a committed checkpoint exists (see qwen_checkpoint_dir)
+
+    @property
+    def factor(self) -> int:
+        """Resized image sides are multiples of this (one merged token covers factor x factor px)."""
+        return self.patch_size * self.merge_size
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """``image_grid_thw`` of a ``width`` x ``height`` image (in patches, before merging)."""
+        h, w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def image_tokens(self, width: int, height: int) -> int:
+        _, gh, gw = self.grid(width, height)
+        return gh * gw // self.merge_size**2
+
+
+QWEN_PRESETS: dict[str, QwenPreset] = {
+    # trained demo model: 32..128 px images give 4..64 tokens
+    "demo-qwen": QwenPreset(
+        name="demo-qwen",
+        patch_size=8, merge_size=2, min_pixels=32 * 32, max_pixels=128 * 128,
+        vision_embed=96, vision_depth=3, vision_heads=3,
+        text_hidden=128, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=344,
+        mrope_section=(4, 6, 6), rope_theta=1e4, trained=True,
+    ),
+    # random weights, smallest: fast unit tests (GQA: 4 query heads share 2 KV heads)
+    "tiny-qwen": QwenPreset(
+        name="tiny-qwen",
+        patch_size=8, merge_size=2, min_pixels=32 * 32, max_pixels=128 * 128,
+        vision_embed=32, vision_depth=1, vision_heads=2,
+        text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=128,
+        mrope_section=(2, 3, 3), rope_theta=1e4,
+    ),
+    # random weights, CPU benchmark shape: 224x224 -> 64 tokens, 448x448 (the cap) -> 256
+    "bench-qwen": QwenPreset(
+        name="bench-qwen",
+        patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=448 * 448,
+        vision_embed=384, vision_depth=6, vision_heads=6,
+        text_hidden=512, text_layers=8, text_heads=8, text_kv_heads=2, text_intermediate=1408,
+        mrope_section=(8, 12, 12),
+    ),
+    # Qwen2-VL-7B's real shape (the demo vocabulary); ~15 GB in bfloat16: built only on request
+    "qwen2-vl-7b": QwenPreset(
+        name="qwen2-vl-7b",
+        patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
+        vision_embed=1280, vision_depth=32, vision_heads=16,
+        text_hidden=3584, text_layers=28, text_heads=28, text_kv_heads=4, text_intermediate=18944,
+        mrope_section=(16, 24, 24), max_position_embeddings=32768, dtype="bfloat16",
+    ),
+}
+
+
+def get_qwen_preset(preset: str | QwenPreset) -> QwenPreset:
+    if isinstance(preset, QwenPreset):
+        return preset
+    try:
+        return QWEN_PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown Qwen2-VL preset {preset!r}; expected one of {sorted(QWEN_PRESETS)}") from None
+
+
+def build_image_processor(preset: str | QwenPreset) -> Qwen2VLImageProcessorPil:
+    p = get_qwen_preset(preset)
+    ip = Qwen2VLImageProcessorPil(
+        patch_size=p.patch_size,
+        merge_size=p.merge_size,
+        temporal_patch_size=p.temporal_patch_size,
+        size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+    )
+    # saved beside `size` (as in Qwen's own checkpoints) for loaders that read the old keys
+    ip.min_pixels, ip.max_pixels = p.min_pixels, p.max_pixels
+    return ip
+
+
+def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig:
+    p = get_qwen_preset(preset)
+    head_dim = p.text_hidden // p.text_heads
+    if sum(p.mrope_section) * 2 != head_dim:
+        raise ValueError(f"{p.name}: mrope_section {p.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+    vision = dict(
+        depth=p.vision_depth,
+        embed_dim=p.vision_embed,
+        hidden_size=p.text_hidden,  # the merger's output feeds the text model directly
+        num_heads=p.vision_heads,
+        mlp_ratio=4,
+        patch_size=p.patch_size,
+        spatial_merge_size=p.merge_size,
+        temporal_patch_size=p.temporal_patch_size,
+    )
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=p.text_hidden,
+        intermediate_size=p.text_intermediate,
+        num_hidden_layers=p.text_layers,
+        num_attention_heads=p.text_heads,
+        num_key_value_heads=p.text_kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        max_window_layers=p.text_layers,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": p.rope_theta,
+                         "mrope_section": list(p.mrope_section)},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.image_token_id,
+        video_token_id=tokenizer.video_token_id,
+        vision_start_token_id=tokenizer.vision_start_token_id,
+        vision_end_token_id=tokenizer.vision_end_token_id,
+        tie_word_embeddings=False,
+    )
+    config.dtype = p.dtype
+    return config
+
+
+def build_qwen_model(preset: str | QwenPreset, tokenizer, seed: int = 0) -> Qwen2VLForConditionalGeneration:
+    p = get_qwen_preset(preset)
+    config = build_qwen_config(p, tokenizer)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration._from_config(config, dtype=getattr(torch, p.dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        max_new_tokens=16,
+    )
+    model.eval()
+    return model
+
+
+def save_qwen(model, tokenizer, image_processor, out_dir) -> pathlib.Path:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)  # config, generation_config, safetensors
+    tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    image_processor.save_pretrained(out)  # preprocessor_config.json
+    return out
+
+
+def build_untrained_qwen(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
+    """Build tokenizer + image processor + random-init model for ``preset`` and save them to out_dir."""
+    p = get_qwen_preset(preset)
+    tokenizer = build_qwen_tokenizer()
+    model = build_qwen_model(p, tokenizer, seed=seed)
+    return save_qwen(model, tokenizer, build_image_processor(p), out_dir)
+
+
+def qwen_checkpoint_dir(name: str = "demo-qwen") -> pathlib.Path:
+    """The committed trained checkpoint directory ``mmserve/models/demo/checkpoints/<name>``."""
+    return DEMO_CHECKPOINTS / name
+
+
+# --------------------------------------------------------------------------------------------
+# model inputs by hand (what Qwen2VLProcessor would return)
+
+
+def expand_image_pads(ids: list[int], counts: list[int], image_token_id: int) -> tuple[list[int], list[int]]:
+    """Repeat the i-th ``<|image_pad|>`` counts[i] times; returns (input_ids, mm_token_type_ids)."""
+    out, types = [], []
+    k = 0
+    for t in ids:
+        if t == image_token_id:
+            if k >= len(counts):
+                raise ValueError(f"more image placeholders than images ({len(counts)})")
+            out += [t] * counts[k]
+            types += [1] * counts[k]
+            k += 1
+        else:
+            out.append(t)
+            types.append(0)
+    if k != len(counts):
+        raise ValueError(f"{k} image placeholders for {len(counts)} images")
+    return out, types
+
+
+def build_inputs(tokenizer, image_processor, messages, images, add_generation_prompt: bool = True) -> dict:
+    """Tensors for ``model(**inputs)`` / ``model.generate(**inputs)`` of one conversation.
+
+    ``input_ids`` / ``attention_mask`` / ``mm_token_type_ids`` are [1, seq]; ``pixel_values`` are
+    the images' flattened patches, concatenated; ``image_grid_thw`` is [n_images, 3].
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out: dict = {}
+    counts: list[int] = []
+    if images:
+        vis = image_processor(images=list(images), return_tensors="pt")
+        merge = image_processor.merge_size
+        counts = [int(g.prod()) // merge**2 for g in vis["image_grid_thw"]]
+        out["pixel_values"], out["image_grid_thw"] = vis["pixel_values"], vis["image_grid_thw"]
+    ids, types = expand_image_pads(ids, counts, tokenizer.image_token_id)
+    out["input_ids"] = torch.tensor([ids])
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    out["mm_token_type_ids"] = torch.tensor([types])
+    return out
