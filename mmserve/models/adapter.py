@@ -9,6 +9,7 @@ the family from the checkpoint's `config.json`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 import os
 from pathlib import Path
@@ -85,7 +86,7 @@ def placeholder_spans(input_ids: Sequence[int], image_token_id: int, counts: Seq
     return tuple(spans)
 
 
-class Adapter:
+class Adapter(ABC):
     """One loaded model on a device. Subclasses set `tokenizer`, `model`, `image_processor` and
     `image_token_id` in `_load`, and implement the family's preprocessing and encoder steps."""
 
@@ -117,26 +118,31 @@ class Adapter:
 
     # -- what a family provides ------------------------------------------------------------
 
+    @abstractmethod
     def _load(self) -> None:
-        raise NotImplementedError
+        """Loads the tokenizer, image processor and model; sets `tokenizer`, `image_processor`,
+        `model` (on the CPU, in `dtype`) and `image_token_id`."""
 
+    @abstractmethod
     def _processor_digest(self) -> int:
-        raise NotImplementedError
+        """The digest of the image processor's settings that every mm_hash folds in."""
 
+    @abstractmethod
     def render_prompt(self, messages: list[dict]) -> str:
         """The chat-templated prompt text, ending with the generation prompt."""
-        raise NotImplementedError
 
+    @abstractmethod
     def tokenize(self, messages: list[dict], images: Sequence) -> PromptInputs:
-        raise NotImplementedError
+        """The templated prompt's tokens with each image's placeholders expanded to its count, and
+        the images' spans; pixels are left for the encoder to make on a cache miss."""
 
+    @abstractmethod
     def pixel_values(self, images: Sequence) -> list:
         """One pixel item per image, as `encode_images` takes them (worker thread)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode_images(self, items) -> list[torch.Tensor]:
         """The vision tower and projector over pixel items: one [num_image_tokens, hidden] each."""
-        raise NotImplementedError
 
     def image_key(self, image) -> bytes | None:
         """The image's content key (mm_hash) under this model, or None when it has none."""
@@ -171,6 +177,24 @@ class Adapter:
         rest = full[len(prompt):]
         lead = rest[: len(rest) - len(rest.lstrip())]
         return lead if rest[len(lead):].startswith("ANSWER") else ""
+
+    def _expanded_prompt(self, messages: list[dict], counts: Sequence[int]):
+        """(input_ids, spans) of the templated prompt with image k's single placeholder repeated
+        counts[k] times, as the family's processor expands it. The image token is special, so it
+        splits the text before the tokenizer's own rules run: one placeholder per image tokenizes
+        like the expanded text, and repeating its id is far cheaper than tokenizing hundreds of
+        placeholder strings."""
+        compact = self.tokenizer([self.render_prompt(messages)])["input_ids"][0]
+        where = [i for i, t in enumerate(compact) if t == self.image_token_id]
+        if len(where) != len(counts):
+            raise ValueError(f"the prompt has {len(where)} image placeholders for {len(counts)} images")
+        input_ids: list[int] = []
+        start = 0
+        for i, n in zip(where, counts):
+            input_ids += compact[start:i] + [self.image_token_id] * n
+            start = i + 1
+        input_ids = tuple(int(t) for t in input_ids + compact[start:])
+        return input_ids, placeholder_spans(input_ids, self.image_token_id, counts)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
 
 from mmserve.cache.keys import processor_digest
-from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs, StepOutput, placeholder_spans
+from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs, StepOutput
 
 __all__ = ["ImageSpan", "LlavaAdapter", "PromptInputs", "StepOutput"]
 
@@ -59,20 +59,7 @@ class LlavaAdapter(Adapter):
         counts = self._image_token_counts(images)
         if counts is None:
             return self.preprocess(messages, images)
-        # the image token is special, so it splits the text before the tokenizer's own rules run:
-        # one placeholder per image tokenizes like the processor's expanded text, then its id is
-        # repeated (tokenizing hundreds of placeholder strings costs more than the rest together)
-        compact = self.tokenizer([self.render_prompt(messages)])["input_ids"][0]
-        where = [i for i, t in enumerate(compact) if t == self.image_token_id]
-        if len(where) != len(images):
-            raise ValueError(f"the prompt has {len(where)} image placeholders for {len(images)} images")
-        input_ids: list[int] = []
-        start = 0
-        for i, n in zip(where, counts):
-            input_ids += compact[start:i] + [self.image_token_id] * n
-            start = i + 1
-        input_ids = tuple(int(t) for t in input_ids + compact[start:])
-        spans = placeholder_spans(input_ids, self.image_token_id, counts)
+        input_ids, spans = self._expanded_prompt(messages, counts)
         return PromptInputs(input_ids, None, spans, images=tuple(images))
 
     def _image_token_counts(self, images: Sequence) -> list[int] | None:

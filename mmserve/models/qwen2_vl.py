@@ -27,7 +27,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImag
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmserve.cache.keys import image_identity, processor_digest
-from mmserve.models.adapter import Adapter, PromptInputs, placeholder_spans
+from mmserve.models.adapter import Adapter, PromptInputs
 
 # image processors whose arithmetic the PIL one reproduces (the fast one's torchvision resize
 # differs from PIL's by rounding only); any other needs code this install cannot run
@@ -86,17 +86,7 @@ class Qwen2VLAdapter(Adapter):
         its 3-D positions; pixels are left for the encoder (`pixel_values`) to make on a miss."""
         grids = [self.grid(img) for img in images]
         counts = [self.tokens_per_image(g) for g in grids]
-        compact = self.tokenizer([self.render_prompt(messages)])["input_ids"][0]
-        where = [i for i, t in enumerate(compact) if t == self.image_token_id]
-        if len(where) != len(images):
-            raise ValueError(f"the prompt has {len(where)} image placeholders for {len(images)} images")
-        input_ids: list[int] = []
-        start = 0
-        for i, n in zip(where, counts):
-            input_ids += compact[start:i] + [self.image_token_id] * n
-            start = i + 1
-        input_ids = tuple(int(t) for t in input_ids + compact[start:])
-        spans = placeholder_spans(input_ids, self.image_token_id, counts)
+        input_ids, spans = self._expanded_prompt(messages, counts)
         positions, delta = self._rope_index(input_ids, spans, grids)
         return PromptInputs(input_ids, None, spans, images=tuple(images), rope_positions=positions, rope_delta=delta)
 
