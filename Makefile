@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: serve test install install-dev train-demo clean
+.PHONY: serve test install install-dev train-demo clean redis-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ install-dev: $(STAMP_DEV)
 serve: $(STAMP)
 	$(BIN)/mmserve serve --config config.toml
 
-test: $(STAMP_DEV)
+# the shared-cache tests start a real redis-server (Debian package redis-server; we run as root)
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) || \
+		(echo "redis-server is missing and could not be installed: apt-get install -y redis-server" >&2; exit 1)
+
+test: $(STAMP_DEV) redis-server
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 train-demo: $(STAMP)

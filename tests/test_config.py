@@ -21,7 +21,7 @@ from mmserve.config import (
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("server", "runtime", "limits", "encoder_cache", "kv_cache", "generator", "supervisor", "logging",
-            "auth")
+            "auth", "shared_cache")
 
 
 def test_repo_config_parses_and_matches_defaults():
@@ -78,6 +78,9 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
     "logging": [("format", "text"), ("level", "verbose"), ("level", "INFO")],
     "auth": [("api_keys", "k"), ("api_keys", [""]), ("api_keys", [" k"]), ("api_keys", [1]), ("api_keys_env", 5),
              ("admin_key", 5), ("admin_key_env", 5)],
+    "shared_cache": [("url", 5), ("url", "http://127.0.0.1:6379"), ("lookup_deadline_ms", 0), ("ttl_s", 0),
+                     ("write_queue", 0), ("write_batch", 0), ("backoff_s", 0), ("max_backoff_s", 0.5),
+                     ("socket_timeout_s", -1)],
     "models": [("name", ""), ("path", ""), ("path", "/no/such/checkpoint"), ("path", "builtin:no-such-demo"),
                ("default", "yes"), ("load", "lazy")],
 }

@@ -109,7 +109,8 @@ def test_errors_through_the_official_client(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=colour_question("red"))
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="demo", messages=colour_question("red"), n=2)
+        client.chat.completions.create(model="demo", messages=colour_question("red"),
+                                       logit_bias={"5": 10})
     assert info.value.body["code"] == "unsupported_parameter"
     assert [m.id for m in client.models.list()] == ["demo", "demo-wide"]
 

@@ -18,6 +18,7 @@ from mmserve.actors.base import Actor
 from mmserve.actors.messages import ClearCache, EncodeJob, GenerateJob, Release
 from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import key_prefix
+from mmserve.cache.shared_values import KIND_ENCODER, encoder_key
 from mmserve.errors import MMServeError
 from mmserve.models.adapter import Adapter, PromptInputs
 from mmserve.config import EncoderCacheConfig
@@ -55,6 +56,8 @@ class Encoder(Actor):
         self.cache = EncoderCache(config.budget_bytes, config.max_entries or None) if config.enabled else None
         self.encoder_runs = 0
         self.items_encoded = 0
+        self.shared = None  # the model's SharedTier (Redis), when [shared_cache] is on
+        self.shared_hits = 0
 
     async def run(self) -> None:
         while True:
@@ -129,6 +132,8 @@ class Encoder(Actor):
             found: dict[tuple[int, int], torch.Tensor] = {}
             failed: dict[int, Exception] = {}  # id(job) → why one of its images could not be encoded
             misses = self._look_up(jobs, found)
+            if misses and self.shared is not None:
+                misses = await self._shared_look_up(misses, found)
             from_cache = set(found)  # before the misses are encoded into `found` too
             if misses:
                 await self._encode(misses, found, failed)
@@ -180,6 +185,39 @@ class Encoder(Actor):
                 for j, i in miss.waiters:
                     found[id(j), i] = out
                 self._store(miss, out)
+                if self.shared is not None and miss.key is not None:  # written in the background
+                    self.shared.put_soon(KIND_ENCODER, self._shared_key(miss), out)
+
+    def _shared_key(self, miss: Miss) -> bytes:
+        """The tier's key of a miss: its mm_hash, salted with its (first) requester's cache_salt."""
+        return encoder_key(miss.key, miss.waiters[0][0].handle.request.cache_salt, self.adapter.hash_algorithm)
+
+    async def _shared_look_up(self, misses: list[Miss], found: dict) -> list[Miss]:
+        """The local misses asked of the shared tier (one round trip, within its deadline); what it
+        holds — of the dtype and shape this model's encoder makes — is used and cached here.
+        Returns the misses left to encode."""
+        keyed = [m for m in misses if m.key is not None]
+        if not keyed:
+            return misses
+        hidden = getattr(self.adapter.text_config, "hidden_size", None)
+        shapes = [(m.prompt.spans[m.index].length, hidden) for m in keyed]
+        tensors = await self.shared.get_many(KIND_ENCODER, [self._shared_key(m) for m in keyed],
+                                             self.adapter.dtype, shapes)
+        self.shared.counts["encoder_queries"] += len(keyed)
+        left = [m for m in misses if m.key is None]
+        for miss, t in zip(keyed, tensors):
+            if t is None:
+                left.append(miss)
+                continue
+            t = t.to(self.adapter.device)
+            self.shared.counts["encoder_hits"] += 1
+            self.shared_hits += 1
+            for j, i in miss.waiters:
+                found[id(j), i] = t
+            self.log.info("encoder_cache.shared_hit", request_id=miss.waiters[0][0].handle.request_id,
+                          key=key_prefix(miss.key), bytes=tensor_nbytes(t))
+            self._store(miss, t)
+        return left
 
     async def _add_pixels(self, misses: list[Miss], failed: dict) -> list[Miss]:
         """Each miss with its pixel tensor; the image processor runs in a worker thread, off the
@@ -271,7 +309,8 @@ class Encoder(Actor):
         return failed
 
     def stats(self) -> dict:
-        base = {"encoder_runs": self.encoder_runs, "items_encoded": self.items_encoded}
+        base = {"encoder_runs": self.encoder_runs, "items_encoded": self.items_encoded,
+                **({"shared_hits": self.shared_hits} if self.shared is not None else {})}
         if self.cache is None:
             return dict(base, enabled=False)
         return dict(base, enabled=True, **self.cache.stats().__dict__)

@@ -31,16 +31,30 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One answer token's log-probability in OpenAI's shape; `top` holds the most likely
+    alternatives (each with an empty `top`)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple["TokenLogprob", ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     text: str
     token_id: int
+    index: int = 0  # the choice it belongs to (n > 1)
+    logprobs: tuple[TokenLogprob, ...] = ()  # when the request asked for them: this event's tokens
 
 
 @dataclass(frozen=True)
 class FinishEvent:
     finish_reason: str
-    usage: Usage
+    usage: Usage  # this choice's: the prompt (counted once per request), its own answer
     encoder_hits: int = 0  # images served from the encoder cache (for the canonical log line)
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,10 +80,15 @@ class RequestHandle:
     created: float = field(default_factory=time.monotonic)
     aborted: bool = False
     finished: bool = False
+    finished_choices: int = 0
 
     @property
     def model(self) -> str:
         return self.request.model
+
+    @property
+    def choices(self) -> int:
+        return self.request.sampling.n
 
     def abort(self) -> None:
         self.aborted = True
@@ -83,7 +102,10 @@ class RequestHandle:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.aborted = True
             return False
-        if not isinstance(event, TokenEvent):
+        if isinstance(event, FinishEvent):
+            self.finished_choices += 1
+            self.finished = self.finished_choices >= self.choices
+        elif not isinstance(event, TokenEvent):
             self.finished = True
         return True
 
@@ -242,3 +264,33 @@ class GenerateJob:
     image_embeds: tuple[torch.Tensor | None, ...] = ()
     prefix: PrefixState = field(default_factory=PrefixState)
     encoder_hits: int = 0  # of its images, how many came from the encoder cache
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Generator → PrefixCacheManager: the other choices of request `parent` (n > 1) share its
+    prompt's KV, prefilled once. Each child gets the parent's first `shared` blocks (one more
+    reference each, zero bytes copied); with `copy_last`, also a fresh block of its own for its
+    copy of the parent's partial last block — which `copy_pin(child)` holds referenced until the
+    generator has copied it and releases the pin."""
+
+    parent: str
+    children: tuple[str, ...]
+    shared: int
+    copy_last: bool
+    reply: trio.MemorySendChannel
+
+
+@dataclass(frozen=True)
+class Forked:
+    """Manager → generator: each child's blocks, and the block to copy into its last one (None:
+    nothing to copy — the prompt ends on a block boundary, or no block was free and the child
+    computes its last partial block itself)."""
+
+    tables: tuple[tuple[str, tuple[int, ...], int | None], ...]
+    epoch: int
+
+
+def copy_pin(child: str) -> str:
+    """The owner that keeps a forked child's copy source referenced until the copy is done."""
+    return child + "/copy-source"

@@ -14,15 +14,19 @@ generator, which writes only into blocks granted here.
 
 from __future__ import annotations
 
+import torch
 import trio
 
 from mmserve.actors.base import Actor
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
-    Allocate, Allocated, ClearCache, Commit, KVEpoch, Lookup, LookupResult, PrefixFailed, Release)
+    Allocate, Allocated, ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release,
+    copy_pin)
+from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
 from mmserve.cache.keys import key_prefix
+from mmserve.cache.shared_values import KIND_KV_BLOCK, block_key
 from mmserve.config import KVCacheConfig
 from mmserve.errors import MMServeError
 
@@ -39,6 +43,9 @@ class PrefixCacheManager(Actor):
         self.dedup_waits = 0  # lookups that waited for another request's blocks
         self.epoch = 0
         self.generator: trio.MemorySendChannel | None = None  # told when a restart voids its tables
+        self.shared = None  # the model's SharedTier (Redis), when [shared_cache] is on
+        self.kv = None  # the generator's KVArena: read to export committed blocks, written to restore
+        self.shared_restored = 0  # blocks restored from the shared tier
         self._reset()
 
     def _reset(self) -> None:
@@ -46,6 +53,7 @@ class PrefixCacheManager(Actor):
         tells the generator that every block table it holds died with the old one."""
         self.arena = BlockArena(self.num_blocks)
         self.inflight: InFlightBlocks[Lookup] = InFlightBlocks()
+        self.remote: dict[str, tuple[Lookup, int, float | None]] = {}  # lookups asking the shared tier
         self.epoch += 1
 
     async def run(self) -> None:
@@ -73,6 +81,10 @@ class PrefixCacheManager(Actor):
                 self._contain(msg, e)
         elif isinstance(msg, Release):
             self._release(msg)
+        elif isinstance(msg, SharedBlocks):
+            self._restore(msg)
+        elif isinstance(msg, Fork):
+            self._fork(msg)
         elif isinstance(msg, ClearCache):
             n = self.arena.clear()
             self.log.info("prefix_cache.cleared", entries=n, kept_referenced=self.arena.num_used())
@@ -123,16 +135,24 @@ class PrefixCacheManager(Actor):
             registered = self.inflight.register(rid, hashes[len(blocks):])
             self.log.info("prefix_cache.prepare", request_id=rid, blocks=len(hashes) - len(blocks),
                           registered=registered)
+            if self._ask_shared(msg, len(blocks), waited_since):
+                return  # answered when the shared tier's answer comes (SharedBlocks)
+        self._answer(msg, blocks, waited_since)
+
+    def _answer(self, msg: Lookup, blocks, waited_since: float | None, restored: int = 0) -> None:
+        rid, hashes = msg.request_id, msg.hashes
         waited = trio.current_time() - waited_since if waited_since is not None else 0.0
         self.log.info("prefix_cache.lookup", request_id=rid, queried_blocks=len(hashes),
                       hit_blocks=len(blocks), hit_tokens=len(blocks) * self.block_size, blocks=blocks,
-                      first_hash=key_prefix(hashes[0]) if hashes else None, waited_s=round(waited, 6))
+                      first_hash=key_prefix(hashes[0]) if hashes else None, waited_s=round(waited, 6),
+                      **({"shared_blocks": restored} if self.shared is not None else {}))
         if not _send(msg.reply, LookupResult(rid, tuple(blocks), waited, self.epoch)):
             self.arena.free(rid)  # the requester stopped waiting: it holds nothing here
             self._done(rid)
 
     def _done(self, request_id: str) -> None:
         """`request_id` computes nothing more: lookups parked on it are answered again."""
+        self.remote.pop(request_id, None)  # a shared-tier answer for it comes too late: dropped
         for parked in self.inflight.done(request_id):
             self._lookup(parked.payload, waited_since=parked.deadline - self.wait_s)
 
@@ -154,6 +174,29 @@ class PrefixCacheManager(Actor):
             for rid, blocks in granted:  # the generator stopped waiting: it never learned of them
                 self.arena.truncate(rid, len(self.arena.table(rid)) - len(blocks))
 
+    def _fork(self, msg: Fork) -> None:
+        tables = []
+        try:
+            for child in msg.children:
+                blocks = self.arena.share(msg.parent, child, 0, msg.shared)
+                source = None
+                if msg.copy_last and self.arena.can_allocate(1):
+                    source = self.arena.share(msg.parent, copy_pin(child), msg.shared, 1)[0]
+                    blocks += [block for block, _ in self.arena.allocate_evicting(child, 1)]
+                tables.append((child, tuple(blocks), source))
+        except ValueError as e:  # the parent no longer holds those blocks: the children compute their own
+            self.log.error("prefix_cache.fork_failed", request_id=msg.parent, error=str(e))
+            for child in msg.children:
+                self.arena.free(child)
+                self.arena.free(copy_pin(child))
+            tables = [(child, (), None) for child in msg.children]
+        self.log.info("prefix_cache.fork", request_id=msg.parent, children=len(msg.children),
+                      shared_blocks=msg.shared, copied_blocks=sum(s is not None for _, _, s in tables))
+        if not _send(msg.reply, Forked(tuple(tables), self.epoch)):
+            for child in msg.children:  # the generator stopped waiting: it never learned of them
+                self.arena.free(child)
+                self.arena.free(copy_pin(child))
+
     def _commit(self, msg: Commit) -> None:
         if self.caching:
             new = [(i, h) for i, h in msg.blocks if self.arena.commit(msg.request_id, i, h)]
@@ -161,6 +204,8 @@ class PrefixCacheManager(Actor):
             self.log.info("prefix_cache.commit", request_id=msg.request_id, blocks=len(msg.blocks),
                           new_blocks=len(new), block_ids=[table[i] for i, _ in new],
                           hashes=[key_prefix(h) for _, h in new])
+            if new and self.shared is not None:
+                self._export(table, new)
         self._done(msg.request_id)
 
     def _release(self, msg: Release) -> None:
@@ -171,10 +216,76 @@ class PrefixCacheManager(Actor):
         self.log.info("prefix_cache.release", request_id=msg.request_id, kept=msg.keep)
         self._done(msg.request_id)
 
+    # -- the shared tier (Redis) under the arena ------------------------------------------------------
+
+    def _ask_shared(self, msg: Lookup, local: int, waited_since: float | None) -> bool:
+        """A local miss goes on in the shared tier: the hashes after the local hit are asked for, the
+        answer (SharedBlocks, within the tier's deadline) restores them. False when the tier is off."""
+        tier, kv = self.shared, self.kv
+        if tier is None or kv is None or not tier.active():
+            return False
+        shape = (2, kv.layers, kv.block_size, kv.kv_heads, kv.head_dim)
+        self.remote[msg.request_id] = (msg, local, waited_since)
+        tier.inbox_send.send_nowait(FetchBlocks(msg.request_id, msg.hashes[local:], kv.dtype, shape,
+                                                self.epoch, self.inbox_send))
+        return True
+
+    def _restore(self, answer: SharedBlocks) -> None:
+        """The blocks the tier found are given to the request (allocated here, like any block), their
+        KV written into them, and committed: its lookup is answered with the longer prefix."""
+        pending = self.remote.pop(answer.request_id, None)
+        if pending is None or answer.epoch != self.epoch:
+            return  # the request went on without it (or ended), or the arena restarted
+        msg, local, waited_since = pending
+        rid, restored = msg.request_id, 0
+        if answer.blocks and len(self.arena.table(rid)) == local:
+            try:
+                restored = self._write_restored(rid, msg.hashes, local, answer.blocks)
+            except Exception as e:  # a miss, never a failed request: the fresh blocks are dropped
+                self.arena.check_invariants()
+                self.arena.truncate(rid, local)
+                self.log.error("prefix_cache.shared_restore_failed", request_id=rid,
+                               error=f"{type(e).__name__}: {e}", exc_info=e)
+        self._answer(msg, list(self.arena.table(rid)), waited_since, restored)
+
+    def _write_restored(self, rid: str, hashes, local: int, tensors) -> int:
+        n = min(len(tensors), self.arena.num_free())
+        taken = self.arena.allocate_evicting(rid, n)
+        if evicted := [(b, h) for b, h in taken if h is not None]:
+            self.log.info("prefix_cache.evict", request_id=rid, blocks=[b for b, _ in evicted],
+                          hashes=[key_prefix(h) for _, h in evicted])
+        kv = self.kv
+        for (block, _), t in zip(taken, tensors):  # fresh blocks: nobody else reads or writes them
+            t = t.to(kv.device)
+            for layer in range(kv.layers):
+                kv.keys[layer][block].copy_(t[0, layer])
+                kv.values[layer][block].copy_(t[1, layer])
+        for i in range(n):
+            self.arena.commit(rid, local + i, hashes[local + i])
+        self.shared_restored += n
+        self.log.info("prefix_cache.shared_restore", request_id=rid, blocks=[b for b, _ in taken],
+                      hashes=[key_prefix(h) for h in hashes[local:local + n]], found=len(tensors))
+        return n
+
+    def _export(self, table: tuple[int, ...], new: list[tuple[int, bytes]]) -> None:
+        """Newly committed blocks go to the shared tier, once: their KV is copied out now, while the
+        committing request still references them (no one can be writing them), and written to
+        Redis in the background."""
+        kv = self.kv
+        if kv is None or not self.shared.active():
+            return
+        ids = torch.tensor([table[i] for i, _ in new], device=kv.device)
+        data = torch.stack([torch.stack([t.index_select(0, ids) for t in kv.keys]),
+                            torch.stack([t.index_select(0, ids) for t in kv.values])])  # [2, L, n, ...]
+        for j, (_, h) in enumerate(new):
+            self.shared.put_soon(KIND_KV_BLOCK, block_key(h), data[:, :, j])
+
     def fail_in_flight(self, error: MMServeError) -> int:
         failed = super().fail_in_flight(error)
         for parked in self.inflight.clear():  # answered as misses: nothing of this arena is trusted
             _send(parked.payload.reply, LookupResult(parked.waiter, (), 0.0, self.epoch + 1))
+        for lookup, _, _ in self.remote.values():
+            _send(lookup.reply, LookupResult(lookup.request_id, (), 0.0, self.epoch + 1))
         self._reset()  # references of requests that will never finish go with the bookkeeping
         return failed
 
@@ -182,7 +293,8 @@ class PrefixCacheManager(Actor):
         s = self.arena.stats()
         return dict(s.__dict__, block_size=self.block_size, waiting_lookups=len(self.inflight),
                     inflight_blocks=self.inflight.registered_blocks, dedup_waits=self.dedup_waits,
-                    hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size)
+                    hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size,
+                    shared_restored_blocks=self.shared_restored)
 
 
 def _send(channel: trio.MemorySendChannel, message) -> bool:

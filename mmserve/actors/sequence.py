@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,9 @@ class Sequence:
     registered: bool = False  # the manager holds something for it until a Release
     first_token_at: float | None = None
     last_token_at: float | None = None
+    choice: int = 0  # its index among the request's n choices
+    forks: list = field(default_factory=list)  # choice 0 until its prefill ends: (rng, matcher) of each other choice
+    matcher: Any = None  # its grammar's state (response_format), None when unconstrained
 
     @classmethod
     def admit(cls, job: GenerateJob, assembler: TextAssembler, rng: torch.Generator | None, order: int,
@@ -69,6 +73,11 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.job.handle.request_id
+
+    @property
+    def kv_owner(self) -> str:
+        """Whose blocks these are to the cache manager: the request's id, and one per other choice."""
+        return self.request_id if self.choice == 0 else f"{self.request_id}/{self.choice}"
 
     @property
     def label(self) -> str | None:

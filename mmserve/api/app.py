@@ -232,21 +232,25 @@ def _json(raw: bytes, content_type: str | None):
 
 async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
     created = int(time.time())
+    want_logprobs = stream.handle.request.sampling.logprobs
 
-    def event(delta: dict, finish_reason: str | None = None) -> str:
-        return openai_json.sse(openai_json.chunk(stream.id, stream.model, created, delta, finish_reason))
+    def event(delta: dict, finish_reason: str | None = None, index: int = 0, tokens=None) -> str:
+        return openai_json.sse(openai_json.chunk(stream.id, stream.model, created, delta, finish_reason,
+                                                 index, tokens if want_logprobs else None))
 
     try:
-        yield event({"role": "assistant", "content": ""})
+        for index in range(stream.handle.choices):
+            yield event({"role": "assistant", "content": ""}, index=index)
         delta = first
         while True:
-            if delta.text:
-                yield event({"content": delta.text})
+            if delta.text or delta.logprobs:
+                yield event({"content": delta.text}, index=delta.index, tokens=delta.logprobs)
             if delta.finish_reason is not None:
-                yield event({}, delta.finish_reason)
-                if include_usage:
-                    yield openai_json.sse(openai_json.usage_chunk(stream.id, stream.model, created, delta.usage))
-                break
+                yield event({}, delta.finish_reason, delta.index)
+                if stream.done:
+                    if include_usage:
+                        yield openai_json.sse(openai_json.usage_chunk(stream.id, stream.model, created, stream.usage))
+                    break
             try:
                 delta = await stream.__anext__()
             except StopAsyncIteration:

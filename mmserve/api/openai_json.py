@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from mmserve.runtime.stream import ChatCompletion, Usage
+from mmserve.runtime.stream import ChatCompletion, TokenLogprob, Usage
 
 DONE = "data: [DONE]\n\n"
 
@@ -25,15 +25,32 @@ def completion(c: ChatCompletion) -> dict:
         "object": "chat.completion",
         "created": c.created,
         "model": c.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                     "finish_reason": c.finish_reason, "logprobs": None}],
+        "choices": [{"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                     "finish_reason": ch.finish_reason, "logprobs": logprobs(ch.logprobs)}
+                    for ch in c.choices],
         "usage": usage(c.usage),
     }
 
 
-def chunk(id: str, model: str, created: int, delta: dict, finish_reason: str | None = None) -> dict:
+def logprobs(tokens: tuple[TokenLogprob, ...] | None) -> dict | None:
+    """OpenAI's `logprobs` object of a choice (or of a chunk's tokens); None when not asked for."""
+    if tokens is None:
+        return None
+    return {"content": [_token(t, top=True) for t in tokens], "refusal": None}
+
+
+def _token(t: TokenLogprob, top: bool = False) -> dict:
+    body = {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)}
+    if top:
+        body["top_logprobs"] = [_token(a) for a in t.top]
+    return body
+
+
+def chunk(id: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+          index: int = 0, tokens: tuple[TokenLogprob, ...] | None = None) -> dict:
     return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
+                         "logprobs": logprobs(tokens)}]}
 
 
 def usage_chunk(id: str, model: str, created: int, u: Usage) -> dict:

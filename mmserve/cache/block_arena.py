@@ -179,6 +179,22 @@ class BlockArena:
         self._allocated_blocks += n
         return out
 
+    def share(self, src: Hashable, dst: Hashable, start: int, count: int) -> list[int]:
+        """Blocks [start, start + count) of `src`'s table appended to `dst`'s, each with one more
+        reference (the choices of one request share its prompt's blocks: zero bytes copied)."""
+        for n in (start, count):
+            _check_count(n)
+        table = self._tables.get(src, [])
+        if start + count > len(table) or src == dst:
+            raise ValueError(f"owner {src!r} holds {len(table)} blocks: cannot share [{start}, "
+                             f"{start + count}) with {dst!r}")
+        blocks = table[start:start + count]
+        for block in blocks:
+            self._ref(block)
+        if blocks:
+            self._tables.setdefault(dst, []).extend(blocks)
+        return blocks
+
     def commit(self, owner: Hashable, index: int, block_hash: bytes) -> bool:
         """Record that `owner`'s table[index] is full and holds the content `block_hash` names.
 
@@ -290,21 +306,10 @@ class BlockArena:
         return list(self._lru)
 
     def stats(self) -> ArenaStats:
-        return ArenaStats(
-            num_blocks=self.num_blocks,
-            free_blocks=len(self._free),
-            evictable_blocks=len(self._lru),
-            referenced_blocks=self._referenced,
-            cached_blocks=len(self._hash_of),
-            owners=len(self._tables),
-            queries_blocks=self._queries_blocks,
-            hit_blocks=self._hit_blocks,
-            allocated_blocks=self._allocated_blocks,
-            evictions=self._evictions,
-            commits=self._commits,
-            duplicate_commits=self._duplicate_commits,
-            cleared_entries=self._cleared,
-        )
+        return ArenaStats(  # in field order
+            self.num_blocks, len(self._free), len(self._lru), self._referenced, len(self._hash_of),
+            len(self._tables), self._queries_blocks, self._hit_blocks, self._allocated_blocks,
+            self._evictions, self._commits, self._duplicate_commits, self._cleared)
 
     def snapshot(self) -> list[ArenaBlockInfo]:
         """Every block that is not free, by id: (block, state, refcount, hash prefix, LRU rank)."""

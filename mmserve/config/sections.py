@@ -219,6 +219,37 @@ def kv_cache_from_prefix_cache(values: dict, current: "KVCacheConfig", where: st
 
 
 @dataclass(frozen=True)
+class SharedCacheConfig:
+    """The shared cache tier (Redis) under both caches of every model; off while `url` is ""."""
+
+    url: str = field(default="", repr=False)  # redis://[:password@]host:port/db, rediss:// (TLS); "": off
+    lookup_deadline_ms: float = 50.0  # a look-up answered later than this is a miss
+    ttl_s: int = 3600  # entries expire this long after they were written or last read
+    write_queue: int = 256  # values waiting to be written; beyond this new ones are dropped (counted)
+    write_batch: int = 32  # values written in one pipelined round trip
+    backoff_s: float = 1.0  # after an error the tier is off this long, doubling up to max_backoff_s
+    max_backoff_s: float = 30.0
+    socket_timeout_s: float = 1.0  # the client's connect and socket timeout (bounds a write round trip)
+
+    def __post_init__(self) -> None:
+        w = "[shared_cache]"
+        check_str(w, "url", self.url, empty=True)
+        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            fail(w, "url", "a redis://, rediss:// or unix:// URL (or \"\" for off)", self.url.split("@")[-1])
+        check_number(w, "lookup_deadline_ms", self.lookup_deadline_ms, 0, lo_open=True)
+        check_int(w, "ttl_s", self.ttl_s, 1)
+        check_int(w, "write_queue", self.write_queue, 1)
+        check_int(w, "write_batch", self.write_batch, 1)
+        check_number(w, "backoff_s", self.backoff_s, 0, lo_open=True)
+        check_number(w, "max_backoff_s", self.max_backoff_s, self.backoff_s, bound=f">= backoff_s ({self.backoff_s})")
+        check_number(w, "socket_timeout_s", self.socket_timeout_s, 0, lo_open=True)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url)
+
+
+@dataclass(frozen=True)
 class GeneratorConfig:
     max_batched_tokens: int = 2048  # tokens one forward carries: decode tokens first, then prefill chunks
     max_running_requests: int = 256  # sequences holding KV blocks at once
@@ -295,6 +326,7 @@ class Config:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    shared_cache: SharedCacheConfig = field(default_factory=SharedCacheConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -349,4 +381,5 @@ SECTIONS = {
     "supervisor": SupervisorConfig,
     "logging": LoggingConfig,
     "auth": AuthConfig,
+    "shared_cache": SharedCacheConfig,
 }

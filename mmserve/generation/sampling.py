@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator; what
+one request asks of its tokens (`SamplingParams`)."""
 
 from __future__ import annotations
 
@@ -18,19 +19,43 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     min_tokens: int = 0
+    n: int = 1  # choices: the prompt is prefilled once and its blocks shared
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already in the answer
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the answer
+    repetition_penalty: float = 1.0  # vLLM's: prompt and answer tokens' logits pushed toward 0 by this factor
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0-20 alternatives per token (needs logprobs)
+    grammar: str | None = None  # an llguidance grammar (response_format), validated at parse time
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A CPU generator seeded per request (so a seed reproduces its output), or None for greedy."""
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a request seeded with `seed`: choice 0 keeps it (so `n`=1 is
+    unchanged), the others get distinct, well-mixed seeds (never seed + i, which would make choice 1
+    of seed 5 equal choice 0 of seed 6)."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed ^ (choice * _GOLDEN)) % 2**63
+
+
+def make_generator(params: SamplingParams, choice: int = 0) -> torch.Generator | None:
+    """A CPU generator seeded per request and choice (so a seed reproduces its output), or None for
+    greedy."""
     if params.greedy:
         return None
     gen = torch.Generator(device="cpu")
     if params.seed is not None:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(choice_seed(params.seed, choice))
     else:
         gen.seed()
     return gen

@@ -15,6 +15,7 @@ from typing import Any
 from mmserve.errors import CLIP_CHARS, BadRequest, UnsupportedParameter, clip
 from mmserve.config import LimitsConfig
 from mmserve.inputs.remote_images import check_url, is_remote_url
+from mmserve.generation.grammar import grammar_for
 from mmserve.generation.sampling import SamplingParams
 
 
@@ -62,7 +63,7 @@ _KNOWN = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "seed", "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "tools",
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-    "presence_penalty", "frequency_penalty", "logit_bias", "cache_salt", "min_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "cache_salt", "min_tokens",
     "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
 } | _IGNORED
 
@@ -176,30 +177,30 @@ def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
     return v
 
 
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+
+
 def _refuse_unsupported(body: dict) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise UnsupportedParameter("'n' > 1 is not supported; send one request per choice", param="n")
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
-        raise UnsupportedParameter("'logprobs' is not supported", param="logprobs")
     for key in ("tools", "functions", "logit_bias", "audio", "prediction", "web_search_options"):
         if body.get(key):
             raise UnsupportedParameter(f"'{key}' is not supported by mmserve", param=key)
     for key in ("tool_choice", "function_call", "reasoning_effort"):
         if body.get(key) not in (None, "none", "auto"):
             raise UnsupportedParameter(f"'{key}' is not supported by mmserve", param=key)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise UnsupportedParameter("only response_format {'type': 'text'} is supported", param="response_format")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise UnsupportedParameter("only text output is supported ('modalities': ['text'])", param="modalities")
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v is not None and (not _is_num(v) or not -2 <= v <= 2):
-            raise BadRequest(f"'{key}' must be a number between -2 and 2", param=key)
-        if v:
-            raise UnsupportedParameter(f"'{key}' other than 0 is not supported", param=key)
+
+
+def _logprobs(body: dict) -> tuple[bool, int]:
+    want = body.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise BadRequest(f"'logprobs' must be a boolean, got {clip(want)}", param="logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return bool(want), top or 0
 
 
 def _stop(body: dict, limits: LimitsConfig) -> tuple[str, ...]:
@@ -223,6 +224,7 @@ def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
         raise BadRequest("'seed' must be an integer", param="seed")
     min_tokens = _integer(body, "min_tokens", 0, limits.max_tokens) or 0
+    logprobs, top_logprobs = _logprobs(body)
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -231,7 +233,23 @@ def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
         seed=None if seed is None else seed % 2**63,
         stop=_stop(body, limits),
         min_tokens=min_tokens,
+        n=_integer(body, "n", 1, MAX_CHOICES) or 1,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_positive(body, "repetition_penalty", 1.0, 2.0 ** 7),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        grammar=grammar_for(body.get("response_format")),
     )
+
+
+def _positive(body: dict, key: str, default: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_num(v) or not 0 < v <= hi:
+        raise BadRequest(f"'{key}' must be a number above 0 and at most {hi:g}, got {clip(v)}", param=key)
+    return float(v)
 
 
 def _image_part(part: dict, where: str, limits: LimitsConfig) -> ImagePart:

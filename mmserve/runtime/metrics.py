@@ -36,6 +36,9 @@ class Metrics:
                                          registry=self.registry)
         self.success = Counter("mmserve:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        self.prefill_tokens = Counter("mmserve:prefill_tokens", "Prompt tokens computed by prefill (those the "
+                                      "prefix cache served are not; a request's n choices prefill once).",
+                                      label, registry=self.registry)
         self.preemptions = Counter("mmserve:num_preemptions", "Sequences preempted when the KV arena ran out "
                                    "of blocks (recomputed later).", label, registry=self.registry)
 
@@ -49,6 +52,9 @@ class Metrics:
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
         self.success.labels(model, reason).inc()
+
+    def prefilled(self, model: str, tokens: int) -> None:
+        self.prefill_tokens.labels(model).inc(tokens)
 
     def preempted(self, model: str) -> None:
         self.preemptions.labels(model).inc()
@@ -100,6 +106,7 @@ class _RuntimeCollector:
             pq.add_metric([name], kv["query_tokens"])
             ph.add_metric([name], kv["hit_tokens"])
         yield from (running, waiting, kv_usage, kv_evictable, enc_bytes, pq, ph, mq, mh)
+        yield from _shared_tier_metrics(rt, g, c)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():
             restarts.add_metric([key], state.restarts)
@@ -107,3 +114,33 @@ class _RuntimeCollector:
         healthy = GaugeMetricFamily("mmserve:healthy", "1 when every actor is alive, else 0.")
         healthy.add_metric([], 1.0 if rt.health().ok else 0.0)
         yield healthy
+
+
+_SHARED_COUNTERS = {  # stats key → (metric, help)
+    "encoder_queries": ("shared_cache_encoder_queries", "Encoder outputs asked of the shared tier (Redis)."),
+    "encoder_hits": ("shared_cache_encoder_hits", "Encoder outputs found in the shared tier."),
+    "block_queries": ("shared_cache_block_queries", "KV blocks asked of the shared tier."),
+    "block_hits": ("shared_cache_block_hits", "KV blocks found in the shared tier (a chain from the first)."),
+    "late": ("shared_cache_late_lookups", "Shared-tier look-ups answered after their deadline (misses)."),
+    "corrupt": ("shared_cache_rejected_values", "Stored values rejected (header, shape or checksum): misses."),
+    "errors": ("shared_cache_errors", "Shared-tier errors (each turns the tier off for a backoff)."),
+    "writes": ("shared_cache_writes", "Values written to the shared tier."),
+    "dropped_full": ("shared_cache_dropped_writes", "Writes dropped because the write queue was full."),
+    "dropped_off": ("shared_cache_skipped_writes", "Writes skipped while the tier was off."),
+}
+
+
+def _shared_tier_metrics(rt, g, c):
+    """The shared cache tier's counters, and `shared_cache_up` (1 on, 0 off for a backoff)."""
+    up = g("mmserve:shared_cache_up", "1 while the shared cache tier is on, 0 while it is off (backing off).")
+    families = {key: c(f"mmserve:{name}", doc) for key, (name, doc) in _SHARED_COUNTERS.items()}
+    for name, m in rt.registry.loaded.items():
+        tier = m.actors.get("shared_tier")
+        if tier is None:
+            continue
+        stats = tier.stats()
+        up.add_metric([name], 1.0 if stats["state"] == "on" else 0.0)
+        for key, family in families.items():
+            family.add_metric([name], stats[key])
+    yield up
+    yield from families.values()

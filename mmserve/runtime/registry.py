@@ -15,6 +15,7 @@ from mmserve.actors.base import Actor
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.prefix_cache import PrefixCacheManager
+from mmserve.actors.shared_tier import attach_shared_tier
 from mmserve.errors import MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.adapter import Adapter
@@ -28,7 +29,7 @@ from mmserve.runtime.supervisor import Supervisor
 class LoadedModel:
     config: ModelConfig
     adapter: Adapter
-    actors: dict[str, Actor]  # "encoder", "generator", "prefix_cache" (the KV arena's manager)
+    actors: dict[str, Actor]  # "encoder", "generator", "prefix_cache" (the KV arena's manager), "shared_tier"
     last_used: float = field(default_factory=time.monotonic)
     routed: set = field(default_factory=set)  # handles of requests routed here (until they end)
 
@@ -126,7 +127,8 @@ class ModelRegistry:
                 adapter = await trio.to_thread.run_sync(self._read_checkpoint, mc, abandon_on_cancel=True)
             if timer.cancelled_caught:
                 raise TimeoutError(f"the load took longer than load_timeout_s = {rc.load_timeout_s} s")
-            model = LoadedModel(mc, adapter, self.build_actors(adapter))
+            actors = attach_shared_tier(self.build_actors(adapter), adapter, self.config.shared_cache)
+            model = LoadedModel(mc, adapter, actors)
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
             self.loaded[mc.name] = model

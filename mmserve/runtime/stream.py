@@ -10,19 +10,31 @@ from dataclasses import dataclass
 
 import trio
 
-from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, TokenEvent, Usage
+from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, TokenEvent, TokenLogprob, Usage
 from mmserve.errors import DeadlineExceeded, MMServeError
 from mmserve.logs import get_logger
 
 
 @dataclass(frozen=True)
 class Delta:
-    """One piece of a streamed answer. The last delta has a finish_reason and the usage. The first
-    delta comes with the first generated token, so its text may be empty (whitespace held back)."""
+    """One piece of a streamed answer, of choice `index`. A choice's last delta has its
+    finish_reason and the usage so far (the request's whole usage on the stream's last delta). The
+    first delta comes with the first generated token, so its text may be empty (whitespace held
+    back); with logprobs asked for, every token comes in a delta of its own."""
 
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None = None  # None unless asked for
 
 
 @dataclass(frozen=True)
@@ -30,9 +42,16 @@ class ChatCompletion:
     id: str
     model: str
     created: int
-    text: str
-    finish_reason: str
+    choices: tuple[Choice, ...]
     usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
 
 
 def new_request_id() -> str:
@@ -50,6 +69,7 @@ class ChatStream:
         self._receive = receive
         self._done = False
         self._first_token_at: float | None = None
+        self._finished: list[FinishEvent] = []
         self._finalizer = weakref.finalize(self, _abandon, handle, receive)
 
     @property
@@ -91,15 +111,36 @@ class ChatStream:
         if isinstance(event, TokenEvent):
             if self._first_token_at is None:
                 self._first_token_at = time.monotonic()
-            return Delta(event.text)
+            return Delta(event.text, index=event.index, logprobs=event.logprobs)
+        if isinstance(event, FinishEvent):
+            self._finished.append(event)
+            usage = self.usage
+            if len(self._finished) >= self.handle.choices:
+                self._done = True
+                reasons = sorted({f.finish_reason for f in self._finished})
+                self._log_end(200, finish_reason=reasons[0] if len(reasons) == 1 else ",".join(reasons),
+                              usage=usage, encoder_hits=event.encoder_hits)
+            return Delta("", event.finish_reason, usage, index=event.index)
         self._done = True
         if isinstance(event, ErrorEvent):
             self._log_end(event.error.status, error=event.error.message)
             raise event.error
-        if isinstance(event, FinishEvent):
-            self._log_end(200, finish_reason=event.finish_reason, usage=event.usage, encoder_hits=event.encoder_hits)
-            return Delta("", event.finish_reason, event.usage)
         raise TypeError(f"unexpected event {event!r}")
+
+    @property
+    def done(self) -> bool:
+        """True once every choice has finished (or the request failed, or was closed)."""
+        return self._done
+
+    @property
+    def usage(self) -> Usage | None:
+        """The usage of the choices finished so far, counted as OpenAI does: the prompt once, every
+        choice's answer."""
+        if not self._finished:
+            return None
+        first = self._finished[0].usage
+        return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in self._finished),
+                     first.cached_tokens)
 
     def _log_end(self, status: int, finish_reason: str | None = None, usage: Usage | None = None, **extra) -> None:
         """The one canonical line per finished request."""
@@ -139,11 +180,19 @@ def _abandon(handle: RequestHandle, receive: trio.MemoryReceiveChannel) -> None:
 
 async def complete(stream: ChatStream) -> ChatCompletion:
     """Reads a started request to its end: the one completion path of HTTP and embedded callers."""
+    n, want_logprobs = stream.handle.choices, stream.handle.request.sampling.logprobs
+    parts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    usage = None
     async with stream:
-        parts, final = [], None
         async for delta in stream:
-            parts.append(delta.text)
-            final = delta
-    if final is None or final.finish_reason is None:
+            parts[delta.index].append(delta.text)
+            logprobs[delta.index].extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                reasons[delta.index], usage = delta.finish_reason, delta.usage
+    if usage is None or None in reasons:
         raise MMServeError("the request ended without a result")
-    return ChatCompletion(stream.id, stream.model, int(time.time()), "".join(parts), final.finish_reason, final.usage)
+    choices = tuple(Choice(i, "".join(parts[i]), reasons[i], tuple(logprobs[i]) if want_logprobs else None)
+                    for i in range(n))
+    return ChatCompletion(stream.id, stream.model, int(time.time()), choices, usage)

@@ -50,9 +50,12 @@ class Health:
     models: dict[str, str] = field(default_factory=dict)
     model: str | None = None
     retry_after_s: float = 1.0
+    details: dict = field(default_factory=dict)  # informational, per actor (e.g. the shared cache tier's state)
 
     def to_json(self) -> dict:
         body = {"status": "ok" if self.ok else "unavailable", "actors": self.actors, "models": self.models}
+        if self.details:
+            body["details"] = self.details
         if self.model is not None:
             body["model"] = self.model
         if self.reason:
@@ -177,13 +180,17 @@ class Supervisor:
         if self.draining:
             return Health(False, actors, "draining: the server is shutting down", states, model, retry_after_s=5.0)
         relevant = [k for k in actors if model is None or model_of(k) in (None, model)]
+        details = {k: self.states[k].actor.health_details() for k in relevant
+                   if hasattr(self.states[k].actor, "health_details")}
         dead = [k for k in relevant if not actors[k]]
         if dead:
             reasons = "; ".join(f"{k}: {self.states[k].last_error or 'stopped'}" for k in dead)
-            return Health(False, actors, f"actor(s) down: {reasons}", states, model, retry_after_s=self._retry_after(dead))
+            return Health(False, actors, f"actor(s) down: {reasons}", states, model,
+                          retry_after_s=self._retry_after(dead), details=details)
         if model is not None and states.get(model) == "failed":
-            return Health(False, actors, f"model {model!r} failed to load", states, model, retry_after_s=5.0)
-        return Health(True, actors, None, states, model)
+            return Health(False, actors, f"model {model!r} failed to load", states, model, retry_after_s=5.0,
+                          details=details)
+        return Health(True, actors, None, states, model, details=details)
 
     def _retry_after(self, dead: list[str]) -> float:
         """About when the restarts of `dead` will be done."""

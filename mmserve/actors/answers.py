@@ -1,0 +1,110 @@
+"""What the generator does with a step's results: KV bookkeeping, commits, and each sampled
+token's way to the caller — text, logprobs, grammar state, stop and finish (a part of
+`Generator`)."""
+
+from __future__ import annotations
+
+import time
+
+from mmserve.actors.faults import fault
+from mmserve.actors.messages import Commit, FinishEvent, TokenEvent, Usage
+from mmserve.actors.sequence import LIVE, Sequence, SeqState
+from mmserve.errors import MMServeError
+from mmserve.generation.scheduler import Planned
+from mmserve.generation.step_sampling import Sampled
+
+
+class Answers:
+    """Generator methods: applying a step's result to its sequence, and ending sequences."""
+
+    def _apply(self, p: Planned, result: Sampled | int | Exception) -> None:
+        seq = p.seq
+        if seq.state not in LIVE:
+            return
+        if isinstance(result, Exception):
+            self._fail(seq, result, "generator (prefill)" if not p.decode else "generator (sampling)")
+            return
+        seq.kv_len += p.tokens
+        if not p.decode:
+            if self.metrics is not None:
+                self.metrics.prefilled(self.adapter.name, p.tokens)
+            self.log.info("generator.prefill", request_id=seq.request_id, tokens=p.tokens,
+                          start=seq.kv_len - p.tokens, cached_tokens=seq.hit_tokens, done=seq.kv_len == seq.target_len)
+        try:
+            self._commit_full_blocks(seq)
+        except Exception as e:
+            self._fail(seq, e, "generator (hashing)")
+            return
+        if result == -1:
+            return
+        if seq.state is SeqState.PREFILLING:
+            seq.move(SeqState.DECODING)
+        self._accept(seq, result)
+
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        """The blocks this step filled, keyed and committed (bookkeeping: requests waiting for
+        them go on)."""
+        if seq.chain is None:
+            return
+        full = min(seq.kv_len // self.block_size, seq.table_len)
+        if full <= seq.committed:
+            return
+        fault("generator.hash", seq.label)
+        seq.hashes = seq.chain.extend(seq.hashes, seq.ids[:full * self.block_size])
+        new = tuple((i, seq.hashes[i]) for i in range(seq.committed, min(full, len(seq.hashes))))
+        seq.committed = full
+        if new:
+            self.cache_manager.send_nowait(Commit(seq.kv_owner, new, self.inbox_send, seq.label))
+
+    def _accept(self, seq: Sequence, sampled: Sampled) -> None:
+        """Takes a sampled token; the sequence ends when it is a stop (or completes its grammar),
+        or its last."""
+        token, now = sampled.token_id, time.monotonic()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        elif self.metrics is not None:
+            self.metrics.token_gap(self.adapter.name, now - seq.last_token_at)
+        seq.last_token_at = now
+        if seq.matcher is not None and not seq.matcher.consume_token(token):  # its mask allowed it: a bug
+            return self._fail(seq, MMServeError(f"the grammar refused token {token}: {seq.matcher.get_error()}"),
+                              "generator (grammar)")
+        if token in self.adapter.eos_token_ids:
+            return self._finish(seq, "stop")
+        seq.ids.append(token)
+        try:
+            fault("generator.detokenize", seq.label)
+            text = seq.assembler.add(token)
+        except Exception as e:
+            return self._fail(seq, e, "generator (detokenizing)")
+        # the first token is always announced (its text may be held back, e.g. a leading space):
+        # callers see the first token when it exists, and a client gone by then is noticed
+        logprobs = (self._pieces.logprob(sampled),) if seq.params.logprobs else ()
+        event = TokenEvent(text, token, seq.choice, logprobs)
+        if (text or logprobs or len(seq.tokens) == 1) and not seq.handle.emit(event):
+            return self._end(seq, SeqState.ABORTED)
+        if seq.assembler.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
+            return self._finish(seq, "stop")
+        if len(seq.tokens) >= seq.params.max_tokens or len(seq.ids) >= self.max_positions:
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Ends `seq` with `reason`: the caller gets the rest of the text and the finish."""
+        handle = seq.handle
+        try:
+            tail = seq.assembler.finish()
+        except Exception as e:
+            return self._fail(seq, e, "generator (finishing)")
+        if tail:
+            handle.emit(TokenEvent(tail, -1, seq.choice))
+        usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
+        handle.emit(FinishEvent(reason, usage, seq.job.encoder_hits, seq.choice))
+        self._end(seq, SeqState.FINISHED)
+        ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created
+        if self.metrics is not None:
+            self.metrics.request_finished(self.adapter.name, reason, usage.prompt_tokens,
+                                          usage.completion_tokens, ttft, total)
+        self.log.info(
+            "generator.finished", request_id=handle.request_id, choice=seq.choice, finish_reason=reason,
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens, images=len(seq.job.prompt.spans),
+            ttft_s=round(ttft, 6), total_s=round(total, 6))

@@ -1,0 +1,98 @@
+"""How the generator gets the KV blocks a step needs: one `Allocate` per step to the cache manager,
+preempting the newest sequence when a decode token finds no block (a part of `Generator`)."""
+
+from __future__ import annotations
+
+import trio
+
+from mmserve.actors.messages import Allocate, Allocated
+from mmserve.actors.sequence import LIVE, Sequence, SeqState
+from mmserve.errors import ServiceUnavailable
+from mmserve.generation.scheduler import Planned, newest
+
+
+class BlockGrants:
+    """Generator methods: granting a plan its blocks, preemption, giving way, manager epochs."""
+
+    async def _granted(self, plan: list[Planned]) -> list[Planned]:
+        """The plan, with the blocks it needs granted. A decode token that finds no block preempts
+        the newest sequence holding blocks, and the step is planned again; a prefill chunk that
+        finds none waits — unless only prefills wait, holding blocks the oldest needs: then the
+        newest of them gives way."""
+        while plan:
+            if not any(p.new_blocks for p in plan):
+                return plan  # every token fits the blocks it holds: nothing to ask
+            reply = await self._allocate(plan)
+            if reply is None:
+                return []
+            self._check_epoch(reply.epoch)
+            for rid, blocks in reply.granted:
+                seq = next(s for s in self.seqs if s.kv_owner == rid)
+                seq.table.extend(blocks)
+                seq.epoch, seq.registered = reply.epoch, True
+            refused = set(reply.refused)
+            plan = [p for p in plan if p.seq.state in LIVE]
+            going = [p for p in plan if p.seq.kv_owner not in refused]
+            if not refused:
+                return plan
+            stuck = any(p.decode and p.seq.kv_owner in refused for p in plan)
+            oldest_refused = min((p.seq for p in plan if p.seq.kv_owner in refused), key=lambda s: s.order)
+            if stuck or not going:
+                victim = self._preempt_newest(spare=None if stuck else oldest_refused)
+                if victim is None:
+                    if not going:
+                        self._give_way()
+                    return going
+                plan = self._plan()
+                continue
+            return going
+        return []
+
+    def _preempt_newest(self, spare: Sequence | None = None) -> Sequence | None:
+        """Frees the blocks of the newest sequence holding any it can recompute (not `spare`); it
+        is prefilled again later, from its kept blocks on. None when there is no such sequence."""
+        holders = [s for s in self.seqs if s.state in LIVE and s is not spare
+                   and s.table_len > s.unrecomputable_blocks(self.block_size)]
+        victim = newest(holders)
+        if victim is None:
+            return None
+        keep = victim.unrecomputable_blocks(self.block_size)
+        self._release(victim, keep)
+        victim.kv_len = min(victim.kv_len, keep * self.block_size)
+        victim.committed = min(victim.committed, keep)
+        if victim.state is SeqState.DECODING:
+            victim.move(SeqState.PREFILLING)
+        self.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.preempted(self.adapter.name)
+        self.log.info("generator.preempted", request_id=victim.request_id, kept_blocks=keep,
+                      tokens=len(victim.tokens))
+        return victim
+
+    def _give_way(self) -> None:
+        """Nothing can run and nothing can be preempted: the blocks are held by sequences that kept
+        what they cannot recompute (images their cached prefix covered, whose encoder output they
+        never had). The newest of them fails with a retryable 503 so the others go on."""
+        holders = [s for s in self.seqs if s.state in LIVE and s.table]
+        if len(holders) > 1:
+            victim = newest(holders)
+            self._fail(victim, ServiceUnavailable("the KV cache is full of requests that cannot be preempted; "
+                                                  "retry shortly", retry_after_s=1.0), "kv cache")
+            self._prune()
+
+    async def _allocate(self, plan: list[Planned]) -> Allocated | None:
+        needs = tuple((p.seq.kv_owner, p.new_blocks) for p in plan if p.new_blocks)
+        send, replies = trio.open_memory_channel(1)
+        self.cache_manager.send_nowait(Allocate(needs, send))
+        # closed on the way out: a grant that comes too late finds no one, and the manager takes it back
+        with replies, trio.move_on_after(self.config.lookup_timeout_s):
+            return await replies.receive()
+        self.log.warning("generator.allocate_timeout", waited_s=self.config.lookup_timeout_s)
+        return None
+
+    def _check_epoch(self, epoch: int) -> None:
+        """Tables from an earlier life of the cache manager point at blocks it may have given away."""
+        for seq in [s for s in self.seqs if s.epoch is not None and s.epoch != epoch]:
+            self._fail(seq, ServiceUnavailable("the KV cache of this model was restarted while the request "
+                                               "ran; retry", retry_after_s=1.0), "kv cache")
+        self._prune()

@@ -1,0 +1,303 @@
+"""SharedTier actor: a model's second cache tier in Redis, shared by every replica.
+
+It sits under both local caches: the encoder asks it for the encoder outputs its own cache misses
+(and hands it fresh ones to write), the prefix-cache manager asks it for the KV blocks that follow
+a local prefix hit (and hands it the blocks committed here). Keys and values are laid out in
+`cache.shared_values`: the local keys (model signature and `cache_salt` inside) under a versioned
+namespace, and values whose header and checksum make any corrupt, truncated or foreign value a
+miss.
+
+Never slower and never down because of the tier:
+- a look-up has a deadline (`lookup_deadline_ms`): a late answer is a miss;
+- writes are fire-and-forget into a bounded queue (`write_queue`): a value that finds it full is
+  dropped and counted; a background task drains it, `write_batch` values per pipelined round trip;
+- any Redis error (absent, restarted, full, refusing) turns the tier off for `backoff_s`, logged
+  once (`shared_tier.off`); a probe (PING) then turns it back on (`shared_tier.on`) or doubles the
+  wait, up to `max_backoff_s`. While off, look-ups answer "miss" at once and writes are dropped.
+  Requests are always answered from local compute.
+
+The client: redis-py's synchronous client over one `ConnectionPool`, called from trio worker
+threads (`trio.to_thread.run_sync`). redis-py is the maintained client with TLS (`rediss://`),
+passwords in the URL and pipelining; its asyncio client needs an asyncio event loop (under trio
+only through a bridge such as trio-asyncio), and the trio-native clients are unmaintained. A
+worker thread per round trip costs ~50 us, small beside a network round trip, and the pool is
+thread-safe. A thread that outlives its look-up's deadline is abandoned (its answer is dropped);
+look-ups in threads are bounded by a limiter and the client's socket timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import trio
+
+from mmserve.actors.base import Actor
+from mmserve.cache.keys import key_prefix
+from mmserve.cache.shared_values import KIND_KV_BLOCK, block_key, decode, encode
+from mmserve.config import SharedCacheConfig
+
+ON, OFF = "on", "off"
+LATE_STREAK_OFF = 3  # this many late look-ups in a row count as an error (Redis is too slow)
+
+
+@dataclass(frozen=True)
+class FetchBlocks:
+    """Manager → tier: the KV blocks stored under `hashes` (a chain, in order), as many consecutive
+    ones from the first as the tier holds, each [2, layers, block_size, kv_heads, head_dim]."""
+
+    request_id: str
+    hashes: tuple[bytes, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    epoch: int
+    reply: trio.MemorySendChannel
+
+
+@dataclass(frozen=True)
+class SharedBlocks:
+    """Tier → manager: the answer to a FetchBlocks (always sent, empty on a miss, error or late)."""
+
+    request_id: str
+    epoch: int
+    blocks: tuple[torch.Tensor, ...]
+    elapsed_s: float
+
+
+class SharedTier(Actor):
+    name = "shared_tier"
+    LOOKUP_THREADS = 4
+
+    def __init__(self, model: str, config: SharedCacheConfig):
+        super().__init__(model=model)
+        self.model = model
+        self.config = config
+        self.state = ON
+        self.off_until = 0.0
+        self.backoff_s = config.backoff_s
+        self.last_error: str | None = None
+        self.counts: Counter[str] = Counter()
+        self._client = None
+        self._nursery: trio.Nursery | None = None
+        self._probing = False
+        self._late_streak = 0
+        self._writing = 0  # values of the batch being written now
+        self._writes_send, self._writes = trio.open_memory_channel(config.write_queue)
+        self._limiter = trio.CapacityLimiter(self.LOOKUP_THREADS)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._write_loop)
+                while True:
+                    msg = None
+                    with trio.move_on_after(1.0):
+                        msg = await self.inbox.receive()
+                    self.progressed()
+                    if isinstance(msg, FetchBlocks):
+                        nursery.start_soon(self._fetch_blocks, msg)
+                    elif msg is not None:
+                        raise TypeError(f"shared tier: unexpected message {msg!r}")
+        finally:
+            self._nursery = None
+
+    def client(self):
+        """The Redis client (built on first use, in a worker thread: it opens no connection yet)."""
+        if self._client is None:
+            import redis
+
+            self._client = redis.Redis.from_url(
+                self.config.url, socket_timeout=self.config.socket_timeout_s,
+                socket_connect_timeout=self.config.socket_timeout_s, max_connections=self.LOOKUP_THREADS + 2)
+        return self._client
+
+    # -- on / off ---------------------------------------------------------------------------------
+
+    def active(self) -> bool:
+        """Whether the tier is on now; when its backoff has run out, a probe is started."""
+        if self.state == ON:
+            return True
+        if not self._probing and self._nursery is not None and trio.current_time() >= self.off_until:
+            self._probing = True
+            self._nursery.start_soon(self._probe)
+        return False
+
+    async def _probe(self) -> None:
+        try:
+            await trio.to_thread.run_sync(lambda: self.client().ping(), abandon_on_cancel=True)
+        except Exception as e:
+            self.counts["probes_failed"] += 1
+            self.last_error = _describe(e)
+            self.backoff_s = min(self.backoff_s * 2, self.config.max_backoff_s)
+            self.off_until = trio.current_time() + self.backoff_s
+        else:
+            self.state, self.backoff_s, self._late_streak = ON, self.config.backoff_s, 0
+            self.log.info("shared_tier.on", errors=self.counts["errors"], outages=self.counts["outages"])
+        finally:
+            self._probing = False
+
+    def _failed(self, error: BaseException | str, during: str) -> None:
+        self.counts["errors"] += 1
+        self.last_error = error if isinstance(error, str) else _describe(error)
+        if self.state == ON:  # logged once per outage; the probes that fail are only counted
+            self.state = OFF
+            self.counts["outages"] += 1
+            self.off_until = trio.current_time() + self.backoff_s
+            self.log.warning("shared_tier.off", during=during, error=self.last_error, retry_in_s=self.backoff_s)
+
+    # -- look-ups ---------------------------------------------------------------------------------
+
+    async def get_many(self, kind: int, redis_keys: Sequence[bytes], dtype: torch.dtype | None,
+                       shapes: Sequence[Sequence[int | None] | None]) -> list[torch.Tensor | None]:
+        """The tensors stored under `redis_keys` (None for each miss), within the look-up deadline.
+        Any error, a late answer or a tier that is off: all misses. Reading an entry renews its TTL."""
+        out: list[torch.Tensor | None] = [None] * len(redis_keys)
+        if not redis_keys or not self.active():
+            return out
+        deadline = self.config.lookup_deadline_ms / 1000
+        with trio.move_on_after(deadline) as scope:
+            try:
+                out, corrupt = await trio.to_thread.run_sync(
+                    self._get_decode, kind, list(redis_keys), dtype, list(shapes),
+                    limiter=self._limiter, abandon_on_cancel=True)
+            except Exception as e:
+                self._failed(e, "lookup")
+                return [None] * len(redis_keys)
+        if scope.cancelled_caught:
+            self.counts["late"] += 1
+            self._late_streak += 1
+            if self._late_streak >= LATE_STREAK_OFF:
+                self._failed(f"{self._late_streak} look-ups in a row took longer than {deadline * 1000:g} ms", "lookup")
+            return [None] * len(redis_keys)
+        self._late_streak = 0
+        if corrupt:
+            self.counts["corrupt"] += corrupt
+            self.log.warning("shared_tier.bad_value", values=corrupt, kind=kind)
+        return out
+
+    def _get_decode(self, kind: int, keys: list[bytes], dtype, shapes) -> tuple[list, int]:
+        """(tensors, how many stored values were rejected) — in a worker thread."""
+        torch.set_num_threads(1)  # see actors/compute.py: no second OpenMP team
+        pipe = self.client().pipeline(transaction=False)
+        for k in keys:
+            pipe.getex(k, ex=self.config.ttl_s)
+        values = pipe.execute()
+        out = [decode(kind, k, v, dtype, s) for k, v, s in zip(keys, values, shapes)]
+        return out, sum(1 for v, t in zip(values, out) if v is not None and t is None)
+
+    async def _fetch_blocks(self, msg: FetchBlocks) -> None:
+        t0, found = time.monotonic(), []
+        try:
+            keys = [block_key(h) for h in msg.hashes]
+            tensors = await self.get_many(KIND_KV_BLOCK, keys, msg.dtype, [msg.shape] * len(keys))
+            for t in tensors:  # a chain: only the blocks before the first gap can be used
+                if t is None:
+                    break
+                found.append(t)
+            self.counts["block_queries"] += len(keys)
+            self.counts["block_hits"] += len(found)
+            self.log.info("shared_tier.blocks", request_id=msg.request_id, queried=len(keys), found=len(found),
+                          first_hash=key_prefix(msg.hashes[0]) if msg.hashes else None,
+                          elapsed_s=round(time.monotonic() - t0, 6))
+        finally:  # always answered: the manager holds the request's lookup until then
+            try:
+                msg.reply.send_nowait(SharedBlocks(msg.request_id, msg.epoch, tuple(found), time.monotonic() - t0))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def put_soon(self, kind: int, redis_key: bytes, tensor: torch.Tensor) -> bool:
+        """Queues a value to be written (fire and forget); False when it was dropped."""
+        if not self.active():
+            self.counts["dropped_off"] += 1
+            return False
+        try:
+            self._writes_send.send_nowait((kind, redis_key, tensor))
+        except trio.WouldBlock:
+            self.counts["dropped_full"] += 1
+            return False
+        return True
+
+    async def _write_loop(self) -> None:
+        while True:
+            batch = [await self._writes.receive()]
+            while len(batch) < self.config.write_batch:
+                try:
+                    batch.append(self._writes.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            self.progressed()
+            if not self.active():
+                self.counts["dropped_off"] += len(batch)
+                continue
+            self._writing = len(batch)
+            try:
+                written, nbytes = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
+            except Exception as e:
+                self.counts["write_errors"] += len(batch)
+                self._failed(e, "write")
+                continue
+            finally:
+                self._writing = 0
+            self.counts["writes"] += written
+            self.counts["written_bytes"] += nbytes
+
+    def _set_many(self, batch: list) -> tuple[int, int]:
+        """Writes a batch in one pipelined round trip (SET NX EX: a value is written once)."""
+        torch.set_num_threads(1)
+        pipe = self.client().pipeline(transaction=False)
+        nbytes = 0
+        for kind, key, tensor in batch:
+            value = encode(kind, key, tensor)
+            nbytes += len(value)
+            pipe.set(key, value, ex=self.config.ttl_s, nx=True)
+        pipe.execute()
+        return len(batch), nbytes
+
+    @property
+    def pending_writes(self) -> int:
+        """Values queued or being written now."""
+        return self._writes.statistics().current_buffer_used + self._writing
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        c = self.counts
+        return {"state": self.state, "last_error": self.last_error,
+                "retry_in_s": max(0.0, round(self.off_until - trio.current_time(), 3)) if self.state == OFF else 0.0,
+                "write_queue": self._writes.statistics().current_buffer_used,
+                **{k: c[k] for k in ("encoder_queries", "encoder_hits", "block_queries", "block_hits", "late",
+                                     "corrupt", "errors", "outages", "probes_failed", "writes", "write_errors",
+                                     "written_bytes", "dropped_full", "dropped_off")}}
+
+    def health_details(self) -> dict:
+        """For /health (informational: a tier that is off never makes the model unhealthy)."""
+        s = self.stats()
+        return {k: s[k] for k in ("state", "last_error", "retry_in_s", "errors", "dropped_full")}
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def attach_shared_tier(actors: dict, adapter, config: SharedCacheConfig) -> dict:
+    """Adds a model's SharedTier to its actors (when `[shared_cache] url` is set) and connects it:
+    the encoder and the prefix-cache manager ask it and feed it; the manager reads and restores
+    KV through the generator's arena tensors (blocks it granted, never others)."""
+    if not config.enabled:
+        return actors
+    tier = SharedTier(adapter.name, config)
+    actors["encoder"].shared = tier
+    manager = actors.get("prefix_cache")
+    if manager is not None and manager.caching:
+        manager.shared = tier
+        manager.kv = actors["generator"].kv
+    actors["shared_tier"] = tier
+    return actors

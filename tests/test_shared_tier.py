@@ -1,0 +1,202 @@
+"""The shared cache tier against a real redis-server (started here on a free loopback port): two
+runtimes on one Redis share encoder outputs and KV blocks, answers stay those of cache-off, and a
+corrupt, killed, restarted, slow or full Redis only costs the hits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from mmserve import Runtime
+from mmserve.config import ModelConfig
+from mmserve.models.demo import Q_BACKGROUND, Q_SHAPE, render_image
+from tests.helpers import ask
+from tests.redis_server import RedisServer
+
+RED = render_image("red", "circle", background="white", seed=3)
+BLUE = render_image("blue", "square", background="black", seed=4)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("redis"), None, "--enable-debug-command", "yes") as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    client = redis_server.client()
+    client.flushall()
+    client.config_set("maxmemory", 0)
+    return redis_server.url
+
+
+def tier_config(demo_config, url: str, **shared):
+    base = demo_config.replace(models=demo_config.models[:1])
+    return base.replace(shared_cache=dict({"url": url, "lookup_deadline_ms": 3000.0, "backoff_s": 0.05,
+                                           "max_backoff_s": 0.2}, **shared))
+
+
+def off_config(demo_config):
+    return demo_config.replace(models=demo_config.models[:1], encoder_cache={"enabled": False},
+                               kv_cache={"prefix_caching": False})
+
+
+def tier(rt, model="demo"):
+    return rt.registry.require(model).actors["shared_tier"]
+
+
+async def settle(*rts) -> None:
+    """Until every tier has written what it queued."""
+    with trio.fail_after(10):
+        while any(tier(rt).pending_writes for rt in rts):
+            await trio.sleep(0.01)
+
+
+async def answer(rt, msgs, **kw):
+    c = await rt.chat_completion(msgs, temperature=0, max_tokens=12, **kw)
+    return c.text.strip(), c.usage.cached_tokens
+
+
+def turn(msgs, reply, question):
+    return [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+def conversation():
+    """Three turns about one image, long enough that later turns fill several blocks."""
+    first = [{"role": "user", "content": [{"type": "image", "image": RED}, {"type": "text", "text": "What color is the shape?"}]}]
+    return first, [Q_BACKGROUND, Q_SHAPE, "What color is the shape?"]
+
+
+async def run_conversation(rts, cache_salt=None):
+    """Turn i runs on rts[i % len(rts)]; returns [(answer, cached_tokens)] per turn."""
+    msgs, later = conversation()
+    out = []
+    for i in range(len(later) + 1):
+        rt = rts[i % len(rts)]
+        text, cached = await answer(rt, msgs, cache_salt=cache_salt)
+        out.append((text, cached))
+        if rt.config.shared_cache.enabled:
+            await settle(rt)
+        if i < len(later):
+            msgs = turn(msgs, text, later[i])
+    return out
+
+
+async def test_conversation_moves_between_replicas(demo_config, redis_url):
+    async with Runtime.open(off_config(demo_config)) as off:
+        expected = [a for a, _ in await run_conversation([off])]
+    assert expected[:2] == ["red", "white"]
+    async with Runtime.open(tier_config(demo_config, redis_url)) as a, \
+            Runtime.open(tier_config(demo_config, redis_url)) as b:
+        got = await run_conversation([a, b])
+        assert [t for t, _ in got] == expected  # the same greedy answers as cache-off
+        assert all(cached > 0 for _, cached in got[1:])  # every later turn starts from restored KV
+        assert b.registry.require("demo").prefix_cache.stats()["shared_restored_blocks"] > 0
+        # the image was never encoded on B: its KV (or its encoder output) came from Redis
+        assert b.registry.require("demo").encoder.stats()["encoder_runs"] == 0
+        assert tier(b).stats()["block_hits"] > 0 and tier(b).stats()["state"] == "on"
+        # the same image under another prompt (no KV hit covers it) skips B's encoder too
+        enc = b.registry.require("demo").encoder
+        text, cached = await answer(b, [{"role": "system", "content": "Answer in one word."}, *ask(RED, Q_BACKGROUND)])
+        assert text == "white" and enc.stats()["encoder_runs"] == 0 and enc.stats()["shared_hits"] >= 1
+
+
+async def test_tenants_and_checkpoints_never_share(demo_config, redis_url):
+    async with Runtime.open(tier_config(demo_config, redis_url)) as a:
+        await run_conversation([a], cache_salt="tenant-1")
+        await settle(a)
+    other_checkpoint = tier_config(demo_config, redis_url).replace(
+        models=(ModelConfig("demo", demo_config.models[1].path, default=True),))  # demo-wide, named demo
+    async with Runtime.open(tier_config(demo_config, redis_url)) as b, Runtime.open(other_checkpoint) as c:
+        msgs = turn(ask(RED), "red", Q_BACKGROUND)
+        text, cached = await answer(b, msgs, cache_salt="tenant-2")
+        assert (text, cached) == ("white", 0)
+        assert tier(b).stats()["block_hits"] == 0 and b.registry.require("demo").encoder.stats()["shared_hits"] == 0
+        text, cached = await answer(c, msgs, cache_salt="tenant-1")
+        assert text == "white" and cached == 0
+        assert tier(c).stats()["block_hits"] == 0 and c.registry.require("demo").encoder.stats()["shared_hits"] == 0
+        text, cached = await answer(b, msgs, cache_salt="tenant-1")  # the tenant itself does hit
+        assert text == "white" and cached > 0
+
+
+async def test_corrupt_values_are_misses(demo_config, redis_server, redis_url):
+    client = redis_server.client()
+    async with Runtime.open(off_config(demo_config)) as off:
+        expected = [a for a, _ in await run_conversation([off])]
+    async with Runtime.open(tier_config(demo_config, redis_url)) as a:
+        await run_conversation([a])
+    keys = sorted(client.keys(b"mmserve:s1:*"))
+    assert any(b":kv:" in k for k in keys) and any(b":enc:" in k for k in keys)
+    values = {k: client.get(k) for k in keys}
+    for i, k in enumerate(keys):  # garbage, truncated, a flipped byte, another key's value
+        v = values[k]
+        bad = [b"garbage", v[: len(v) // 2], v[:-1] + bytes([v[-1] ^ 1]), values[keys[(i + 1) % len(keys)]]][i % 4]
+        client.set(k, bad)
+    async with Runtime.open(tier_config(demo_config, redis_url)) as b:
+        got = await run_conversation([b])
+        assert [t for t, _ in got] == expected
+        assert tier(b).stats()["corrupt"] > 0 and tier(b).stats()["block_hits"] == 0
+        assert b.registry.require("demo").encoder.stats()["shared_hits"] == 0
+
+
+async def test_killed_restarted_and_full_redis(demo_config, tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        async with Runtime.open(off_config(demo_config)) as off:
+            expected = [a for a, _ in await run_conversation([off])]
+        async with Runtime.open(tier_config(demo_config, server.url)) as a:
+            assert [t for t, _ in await run_conversation([a])] == expected
+            server.kill()
+            for _ in range(2):  # Redis gone: answered from local compute, the tier switches itself off
+                await a.reset_caches()
+                assert [t for t, _ in await run_conversation([a])] == expected
+            stats = tier(a).stats()
+            assert stats["state"] == "off" and stats["errors"] >= 1 and stats["outages"] == 1
+            health = a.health().to_json()
+            assert health["status"] == "ok" and health["details"]["shared_tier[demo]"]["state"] == "off"
+            assert 'mmserve:shared_cache_up{model_name="demo"} 0.0' in a.metrics.render().decode()
+            server.start()  # back (empty): the tier probes its way back on, and fills again
+            with trio.fail_after(10):
+                while tier(a).stats()["state"] != "on":
+                    tier(a).active()
+                    await trio.sleep(0.05)
+            await a.reset_caches()
+            assert [t for t, _ in await run_conversation([a])] == expected
+            await settle(a)
+            assert server.client().dbsize() > 0
+            server.client().config_set("maxmemory-policy", "noeviction")
+            server.client().config_set("maxmemory", 1)  # full: every write is refused (OOM)
+            server.client().flushall()
+            writes = tier(a).stats()["writes"]
+            await a.reset_caches()
+            assert [t for t, _ in await run_conversation([a])] == expected
+            with trio.fail_after(5):
+                while tier(a).pending_writes:
+                    await trio.sleep(0.01)
+            stats = tier(a).stats()
+            assert stats["write_errors"] >= 1 and stats["writes"] == writes and server.client().dbsize() == 0
+    finally:
+        server.kill()
+
+
+async def test_slow_redis_is_a_late_miss(demo_config, redis_server, redis_url):
+    async with Runtime.open(tier_config(demo_config, redis_url)) as a:
+        await run_conversation([a])
+    msgs = turn(ask(RED, "What color is the shape?"), "red", Q_BACKGROUND)
+    async with Runtime.open(tier_config(demo_config, redis_url, lookup_deadline_ms=100.0)) as b:
+        sleeper = threading.Thread(target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "1.5"))
+        sleeper.start()
+        try:
+            await trio.sleep(0.1)
+            t0 = time.monotonic()
+            text, cached = await answer(b, msgs)
+            elapsed = time.monotonic() - t0
+        finally:
+            sleeper.join()
+        assert text == "white" and cached == 0
+        assert elapsed < 1.2  # never waited for Redis past the deadlines
+        assert tier(b).stats()["late"] >= 1
