@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="the same as --params quick: fewer tokens, levels and "
                    "turns (a few minutes)")
     b.add_argument("--scenarios", type=_scenario_list, help="run only these, comma-separated, in the usual order: "
-                   "decode, concurrency, multiturn, same_image, three_images, peer (default: all)")
+                   "decode, concurrency, multiturn, same_image, three_images, peer, replicas, structured (default: all)")
     b.set_defaults(func=_bench)
     tr = sub.add_parser("trace", help="one request's timeline across actors, from a JSON log")
     tr.add_argument("request_id", help="the internal request id, or a client's X-Request-Id (all its requests)")

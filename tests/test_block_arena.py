@@ -520,6 +520,16 @@ class RefArena:
                 self.time += 1
                 self.released[block] = self.time
 
+    def share(self, src, dst, start: int, count: int) -> list[int] | None:
+        """None: refused (src lacks those blocks, or shares with itself)."""
+        table = self.tables.get(src, [])
+        if src == dst or start + count > len(table):
+            return None
+        blocks = table[start:start + count]
+        if blocks:
+            self.tables.setdefault(dst, []).extend(blocks)
+        return blocks
+
     def clear(self) -> int:
         gone = self.evictable()
         for block in gone:
@@ -629,6 +639,22 @@ class ArenaMachine(RuleBasedStateMachine):
         assert {h: self.arena.block_of(h) for h in KEYS} == entries, "free touched an entry (F3)"
         if owner in self.started:
             self.started.remove(owner)
+
+    @rule(src=st.sampled_from(OWNERS), dst=st.sampled_from(OWNERS), start=st.integers(0, 3), count=st.integers(0, 4))
+    def share(self, src, dst, start, count):
+        """The choices of one request: a child takes some of the parent's blocks (one more reference)."""
+        expected = self.ref.share(src, dst, start, count)
+        if expected is None:
+            before = (self.arena.snapshot(), self.arena.stats(), self.arena.table(dst))
+            with pytest.raises(ValueError):
+                self.arena.share(src, dst, start, count)
+            assert (self.arena.snapshot(), self.arena.stats(), self.arena.table(dst)) == before
+            return
+        if not self.ref.table(dst)[:-len(expected) or None] and src in self.prompt:
+            self.prompt[dst] = self.prompt[src]
+        assert self.arena.share(src, dst, start, count) == expected
+        if expected:
+            self._note_start(dst)
 
     @rule(owner=st.sampled_from(OWNERS))
     def free(self, owner):

@@ -142,10 +142,12 @@ def sampling(tokens: int, salt: str | None = None) -> dict:
     return body if salt is None else dict(body, cache_salt=salt)
 
 
-async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = None, on_delta=None) -> Timing:
-    """One request through the embedded Runtime API, streamed; `on_delta()` is called at every delta."""
+async def timed_chat(rt, messages: list[dict], tokens: int, salt: str | None = None, on_delta=None,
+                     extra: dict | None = None) -> Timing:
+    """One request through the embedded Runtime API, streamed; `on_delta()` is called at every delta;
+    `extra` adds request parameters (e.g. a response_format)."""
     clock = _Clock()
-    async with rt.chat(messages, **sampling(tokens, salt)) as stream:
+    async with rt.chat(messages, **sampling(tokens, salt), **(extra or {})) as stream:
         async for delta in stream:
             clock.text(delta.text, token=delta.finish_reason is None)
             if on_delta is not None:

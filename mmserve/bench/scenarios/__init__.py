@@ -1,11 +1,13 @@
 """The benchmark scenarios, one module per group: throughput (1 decode, 2 concurrency), caching
-(3 multi-turn, 4 same image, 5 three images) and versus_peer (6 peer), replicas (7 two servers on one Redis). Each compares side by side,
+(3 multi-turn, 4 same image, 5 three images) and versus_peer (6 peer), replicas (7 two servers on one Redis), structured (8 JSON-schema
+decoding). Each compares side by side,
 in the same run, and returns a dict of measurements plus `rows` for the report's summary table.
 Times are seconds unless named `_ms`. Part of the `mmserve bench` entry point: it may import
 anything in mmserve."""
 
 from mmserve.bench.scenarios.caching import multiturn, same_image, three_images
 from mmserve.bench.scenarios.replicas import replicas
+from mmserve.bench.scenarios.structured import structured
 from mmserve.bench.scenarios.throughput import concurrency, decode
 from mmserve.bench.scenarios.versus_peer import peer
 
@@ -17,6 +19,7 @@ SCENARIOS = {
     "three_images": three_images,
     "peer": peer,
     "replicas": replicas,
+    "structured": structured,
 }
 
-__all__ = ["SCENARIOS", "concurrency", "decode", "multiturn", "peer", "replicas", "same_image", "three_images"]
+__all__ = ["SCENARIOS", "concurrency", "decode", "multiturn", "peer", "replicas", "same_image", "structured", "three_images"]
