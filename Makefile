@@ -28,8 +28,9 @@ serve: $(STAMP)
 	$(BIN)/mmserve serve --config config.toml
 
 # the shared-cache tests start a real redis-server (Debian package redis-server; we run as root)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 redis-server:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) || \
+	@command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server) || \
 		(echo "redis-server is missing and could not be installed: apt-get install -y redis-server" >&2; exit 1)
 
 test: $(STAMP_DEV) redis-server
