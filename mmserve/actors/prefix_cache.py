@@ -18,6 +18,7 @@ import torch
 import trio
 
 from mmserve.actors.base import Actor
+from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
     Allocate, Allocated, ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release,
@@ -255,11 +256,12 @@ class PrefixCacheManager(Actor):
             self.log.info("prefix_cache.evict", request_id=rid, blocks=[b for b, _ in evicted],
                           hashes=[key_prefix(h) for _, h in evicted])
         kv = self.kv
-        for (block, _), t in zip(taken, tensors):  # fresh blocks: nobody else reads or writes them
-            t = t.to(kv.device)
-            for layer in range(kv.layers):
-                kv.keys[layer][block].copy_(t[0, layer])
-                kv.values[layer][block].copy_(t[1, layer])
+        with single_threaded():
+            for (block, _), t in zip(taken, tensors):  # fresh blocks: nobody else reads or writes them
+                t = t.to(kv.device)
+                for layer in range(kv.layers):
+                    kv.keys[layer][block].copy_(t[0, layer])
+                    kv.values[layer][block].copy_(t[1, layer])
         for i in range(n):
             self.arena.commit(rid, local + i, hashes[local + i])
         self.shared_restored += n
@@ -275,8 +277,9 @@ class PrefixCacheManager(Actor):
         if kv is None or not self.shared.active():
             return
         ids = torch.tensor([table[i] for i, _ in new], device=kv.device)
-        data = torch.stack([torch.stack([t.index_select(0, ids) for t in kv.keys]),
-                            torch.stack([t.index_select(0, ids) for t in kv.values])])  # [2, L, n, ...]
+        with single_threaded():
+            data = torch.stack([torch.stack([t.index_select(0, ids) for t in kv.keys]),
+                                torch.stack([t.index_select(0, ids) for t in kv.values])])  # [2, L, n, ...]
         for j, (_, h) in enumerate(new):
             self.shared.put_soon(KIND_KV_BLOCK, block_key(h), data[:, :, j])
 
