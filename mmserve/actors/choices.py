@@ -18,6 +18,7 @@ from typing import Callable
 
 from mmserve.actors.messages import Fork, Forked, copy_pin
 from mmserve.actors.sequence import Sequence, SeqState
+from mmserve.errors import MMServeError
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ def children(parent: Sequence, forked: Forked, kv_end: int, block_size: int,
                          hashes=list(parent.hashes[:committed]), committed=committed,
                          epoch=forked.epoch if blocks else None, registered=bool(blocks), choice=c,
                          matcher=matcher)
-        assert child.kv_owner == owner, (child.kv_owner, owner)
+        if child.kv_owner != owner:  # the manager answered for other owners than it was asked about
+            raise MMServeError(f"fork of {parent.request_id}: the cache manager gave blocks to {owner!r}, "
+                               f"expected {child.kv_owner!r}")
         copy = BlockCopy(child, source, blocks[-1], copy_pin(owner)) if source is not None else None
         out.append((child, copy))
     return out

@@ -64,13 +64,13 @@ class Generator(BlockGrants, Answers, Actor):
         self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
+        self._pieces: TokenPieces | None = None  # token id → text and bytes, for logprobs
 
     @property
     def grammars(self) -> Grammars:
         """Compiled grammars and token bytes (llguidance), made on first use."""
         if self._grammars is None:
             self._grammars = Grammars(self.adapter.tokenizer, self.adapter.vocab_size, self.adapter.eos_token_ids)
-            self._pieces = TokenPieces(self._grammars.token_bytes)
         return self._grammars
 
     @property
@@ -131,7 +131,7 @@ class Generator(BlockGrants, Answers, Actor):
         try:
             matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in range(params.n)]
             if params.logprobs:
-                self.grammars  # noqa: B018 — the token bytes logprobs need
+                self._pieces = self._pieces or TokenPieces(self.grammars.token_bytes)
         except Exception as e:
             self._fail(seq, e, "admission (grammar)")
             return
@@ -303,17 +303,19 @@ class Generator(BlockGrants, Answers, Actor):
         with replies, trio.move_on_after(self.config.lookup_timeout_s):
             forked = await replies.receive()
         if forked is not None and forked.epoch != parent.epoch:  # a restarted manager: none of it holds
-            for owner, _, source in forked.tables:
-                self.cache_manager.send_nowait(Release(owner))
-                if source is not None:
-                    self.cache_manager.send_nowait(Release(copy_pin(owner)))
+            self._release_forked(forked)
             forked = None
         if forked is None:
             return ServiceUnavailable("the KV cache did not answer while the request's choices were set up; "
                                       "retry", retry_after_s=1.0)
         params = parent.params
-        made = children(parent, forked, kv_end, self.block_size, order=lambda: next(self._orders),
-                        assembler=lambda: TextAssembler(self.adapter.decode_text, params.stop, self.adapter.answer_lead))
+        try:
+            made = children(parent, forked, kv_end, self.block_size, order=lambda: next(self._orders),
+                            assembler=lambda: TextAssembler(self.adapter.decode_text, params.stop,
+                                                            self.adapter.answer_lead))
+        except MMServeError as e:  # the request fails alone; what the manager gave its choices goes back
+            self._release_forked(forked)
+            return e
         parent.forks = []
         self.log.info("generator.forked", request_id=parent.request_id, choices=len(made) + 1,
                       shared_blocks=kv_end // self.block_size, copied_blocks=sum(c is not None for _, c in made))
@@ -323,6 +325,13 @@ class Generator(BlockGrants, Answers, Actor):
                 self._copies.append(copy)
             self._accept(child, first)
         return firsts[0]
+
+    def _release_forked(self, forked) -> None:
+        """What the manager gave a request's choices goes back (they will not run)."""
+        for owner, _, source in forked.tables:
+            self.cache_manager.send_nowait(Release(owner))
+            if source is not None:
+                self.cache_manager.send_nowait(Release(copy_pin(owner)))
 
     def _release_copies(self) -> None:
         """The copy sources of forked choices are no longer needed (copied, or their child is gone)."""

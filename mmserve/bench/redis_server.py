@@ -44,6 +44,8 @@ class RedisServer:
             except redis.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server did not start on port {self.port}")
+                # synchronous by design: tests call it directly, the benchmark from a worker
+                # thread (trio.to_thread), so no event loop is ever blocked by this readiness poll
                 time.sleep(0.02)
 
     def client(self) -> redis.Redis:
