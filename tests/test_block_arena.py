@@ -8,7 +8,6 @@ step that every cached entry's block holds that entry's content: the property fa
 from __future__ import annotations
 
 import hashlib
-import heapq
 from dataclasses import fields
 
 import pytest
@@ -23,6 +22,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from mmserve.cache.free_blocks import FreeBlocks
 from mmserve.cache.block_arena import (
     EVICTABLE,
     REFERENCED,
@@ -70,20 +70,35 @@ def test_empty_arena():
     a.check_invariants()
 
 
-def test_allocate_takes_lowest_free_blocks_and_appends_to_the_table():
+def test_allocate_keeps_tables_consecutive_and_appends_to_them():
     a = BlockArena(5)
-    assert a.allocate("r1", 2) == [0, 1]
-    assert a.allocate("r2", 1) == [2]
-    assert a.allocate("r1", 1) == [3]
-    assert a.table("r1") == (0, 1, 3) and a.table("r2") == (2,)
+    assert a.allocate("r1", 2) == [0, 1]  # an empty arena: from its start
+    assert a.allocate("r2", 1) == [3]  # the middle of the free run [2, 5): r1 keeps room to grow
+    assert a.allocate("r1", 1) == [2]  # right after r1's last block
+    assert a.table("r1") == (0, 1, 2) and a.table("r2") == (3,)
     assert [a.refcount(i) for i in range(5)] == [1, 1, 1, 1, 0]
     assert [a.hash_of(i) for i in range(5)] == [None] * 5  # allocated blocks hold no hash
     assert a.num_used() == 4 and a.num_free() == 1 and a.owners() == {"r1", "r2"}
     a.free("r2")
-    assert a.free_blocks() == [2, 4]
-    assert a.allocate("r3", 2) == [2, 4]  # a freed block is handed out lowest first again
+    assert a.free_blocks() == [3, 4]
+    assert a.allocate("r3", 2) == [3, 4]  # centred in the run they fit in: here all of it
     assert a.allocate("r4", 0) == [] and a.table("r4") == () and "r4" not in a.owners()
     assert a.stats().allocated_blocks == 6
+    a.check_invariants()
+
+
+def test_tables_admitted_together_stay_consecutive_as_they_grow():
+    """Sixteen 17-block prompts admitted in one step, then each decoding 10 blocks more, in turns:
+    every table is still one run of consecutive ids (attention reads its KV without a gather)."""
+    a = BlockArena(512)
+    for i in range(16):
+        a.allocate(i, 17)
+    for _ in range(10):
+        for i in range(16):
+            a.allocate(i, 1)
+    for i in range(16):
+        t = a.table(i)
+        assert list(t) == list(range(t[0], t[0] + 27)), (i, t)
     a.check_invariants()
 
 
@@ -370,7 +385,7 @@ def test_stats_and_snapshot_shape():
 @pytest.mark.parametrize("corrupt", [
     "negative_refcount", "refcount_mismatch", "free_and_referenced", "lost_block", "free_with_hash",
     "two_entries_one_block", "referenced_in_lru", "evictable_without_hash",
-    "lru_out_of_order", "empty_table_kept", "table_out_of_range", "free_not_a_heap",
+    "lru_out_of_order", "empty_table_kept", "table_out_of_range", "free_count_off", "free_map_not_flags",
 ])
 def test_check_invariants_detects_corruption(corrupt):
     a = BlockArena(5)
@@ -383,9 +398,9 @@ def test_check_invariants_detects_corruption(corrupt):
     elif corrupt == "refcount_mismatch":
         a._refs[0] += 1
     elif corrupt == "free_and_referenced":
-        heapq.heappush(a._free, 0)
+        a._free.give(0)
     elif corrupt == "lost_block":
-        a._free.remove(4)
+        a._free.take(4)
     elif corrupt == "free_with_hash":
         a._hash_of[4] = D
         a._block_of[D] = 4
@@ -401,9 +416,10 @@ def test_check_invariants_detects_corruption(corrupt):
         a._tables["ghost"] = []
     elif corrupt == "table_out_of_range":
         a._tables["r1"].append(7)
-    elif corrupt == "free_not_a_heap":
-        a.free("r1")  # r1's private block 1 joins the free heap: [1, 4]
-        a._free.reverse()
+    elif corrupt == "free_count_off":
+        a._free._count += 1
+    elif corrupt == "free_map_not_flags":
+        a._free._map[4] = 2
     with pytest.raises(ValueError):
         a.check_invariants()
 
@@ -419,7 +435,7 @@ def test_with_real_block_hashes():
     assert finished(a, "r1", h1) == [0, 1, 2, 3]
     hit = a.lookup(h2, "r2")
     assert hit == [0, 1]
-    assert a.allocate("r2", len(h2) - len(hit)) == [4, 5]
+    assert a.allocate("r2", len(h2) - len(hit)) == [5, 6]  # centred in the free run [4, 8)
     assert [a.commit("r2", i, h2[i]) for i in range(4)] == [False, False, True, True]
     a.free("r2")
     assert a.peek(h1) == 4 and a.peek(h2) == 4 and a.num_cached() == 6
@@ -485,7 +501,7 @@ class RefArena:
         for _ in range(n):
             free = self.free()
             if free:
-                block, old = free[0], None
+                block, old = self.placed(free, self.tables.get(owner, []), n - len(out)), None
             else:
                 block = self.evictable()[0]
                 old = self.hashes()[block]
@@ -495,6 +511,21 @@ class RefArena:
             out.append((block, old))
         self.allocated += n
         return out
+
+    @staticmethod
+    def placed(free: list[int], table: list[int], wanted: int) -> int:
+        """The free block a table grows by: the one after its last block, else in the first
+        largest run of consecutive free blocks, `wanted` blocks centred in it (at block 0: its start)."""
+        if table and table[-1] + 1 in free:
+            return table[-1] + 1
+        runs: list[list[int]] = []
+        for b in free:
+            if runs and runs[-1][-1] == b - 1:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        run = max(runs, key=len)  # the first of the longest
+        return run[0] if run[0] == 0 else run[max(0, len(run) - wanted) // 2]
 
     def commit(self, owner, index: int, h: bytes) -> bool | str:
         """True / False as the arena; "error" when the block already holds another hash."""
@@ -789,8 +820,7 @@ class RoundRobinBlocks(BlockArena):
             if self._refs[block]:
                 continue
             if block in self._free:
-                self._free.remove(block)
-                heapq.heapify(self._free)
+                self._free.take(block)
                 out.append((block, None))
             else:
                 del self._lru[block]
@@ -836,7 +866,7 @@ class DuplicateCommitMovesEntry(BlockArena):
             self._drop_entry(old)
             if not self._refs[old]:
                 del self._lru[old]
-                heapq.heappush(self._free, old)
+                self._free.give(old)
         return super().commit(owner, index, block_hash)
 
 
@@ -889,3 +919,21 @@ def test_state_machine_catches_mutant(mutant):
         run_state_machine_as_test(machine, settings=settings(
             max_examples=200, stateful_step_count=40, deadline=None, derandomize=True, database=None,
             phases=[Phase.generate], report_multiple_bugs=False, print_blob=False))
+
+
+def test_free_blocks_refuses_what_would_corrupt_it():
+    free = FreeBlocks(4)
+    assert free.take_next(None, 2) == 0 and free.take_next(0, 1) == 1 and len(free) == 2
+    with pytest.raises(ValueError):
+        free.take(1)  # not free
+    with pytest.raises(ValueError):
+        free.give(3)  # already free
+    free.give(0)
+    assert free.blocks() == [0, 2, 3]
+    free.check(4)
+    with pytest.raises(ValueError):
+        free.check(5)
+    for b in (0, 2, 3):
+        free.take(b)
+    with pytest.raises(ValueError):
+        free.take_next(None, 1)

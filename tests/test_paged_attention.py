@@ -161,6 +161,38 @@ def test_mixed_step_matches_each_sequence_alone(adapter):
     assert close(logits[3], ref_d[1]) < TOL
 
 
+def test_decode_reads_consecutive_tables_in_place_and_gathers_the_rest(adapter):
+    """On the CPU a decode token whose table is one run of consecutive blocks reads its keys in
+    place (one attention call over a view of the arena); the others are gathered into one padded
+    call. One step with both kinds and a prefill chunk gives each sequence's own logits."""
+    a = prompt_embeds(adapter, Q_COLOR)
+    d = prompt_embeds(adapter, Q_SHAPE, colour="green", shape="triangle")
+    b = prompt_embeds(adapter, Q_FIRST, colour="blue", shape="square")
+    na, nd, nb = a.shape[1], d.shape[1], b.shape[1]
+    blocks = Blocks(adapter, num_blocks=128, seed=5)
+    start = 64  # blocks from here on are laid out by hand, in order; the shuffled ones stay below
+    blocks.free = [i for i in blocks.free if i < start]
+    ta = tuple(range(start, start + -(-(na + 1) // BLOCK)))  # consecutive, room for its decode token
+    td = blocks.take(nd + 1)  # shuffled
+    first = adapter.forward_paged(torch.cat([a, d], dim=1), [Segment(ta, 0, na), Segment(td, 0, nd)], blocks.arena)
+    tok_a, tok_d = int(first[0].argmax()), int(first[1].argmax())
+    tb = tuple(range(start + 40, start + 40 + -(-nb // BLOCK)))
+    segs = [Segment(ta, na, 1), Segment(tb, 0, nb), Segment(td, nd, 1)]
+    batch = PagedBatch(blocks.arena, segs)
+    assert [row for row, _ in batch.decode_views] == [0]  # A's token is row 0 of the step
+    assert batch.decode_views[0][1] == slice(start * BLOCK, start * BLOCK + na + 1)
+    assert batch.decode_rows.tolist() == [nb + 1]  # D's token, after A's and B's chunk
+    assert isinstance(batch.prefill[0][2], slice)  # B's chunk reads its keys in place too
+    logits = adapter.forward_paged(torch.cat([token_embeds(adapter, [tok_a]), b, token_embeds(adapter, [tok_d])],
+                                             dim=1), segs, blocks.arena)
+    ref_a, ids_a = reference_greedy(adapter, a, 1)
+    ref_d, ids_d = reference_greedy(adapter, d, 1)
+    assert [tok_a, tok_d] == ids_a + ids_d
+    assert close(logits[0], ref_a[1]) < TOL
+    assert close(logits[1], adapter.prefill(b).logits[0]) < TOL
+    assert close(logits[2], ref_d[1]) < TOL
+
+
 def test_prefix_hit_reuses_blocks_without_copying(adapter):
     a = prompt_embeds(adapter, Q_COLOR)
     c = prompt_embeds(adapter, Q_FIRST)

@@ -10,7 +10,8 @@ of cached prefixes alike; there is no separate cache pool and nothing is ever co
 two. Each owner (a request's internal id, any hashable) has a block table, the ordered list of
 block ids its sequence's KV lives in. Each block is in exactly one of three states:
 
-- free: holds nothing anyone can name (no hash, no reference); handed out lowest id first;
+- free: holds nothing anyone can name (no hash, no reference); handed out so that each table
+  stays one run of consecutive ids where it can (see `allocate_evicting`);
 - referenced: in at least one block table (refcount = the number of (owner, table position)
   references to it); maybe cached too (it has a hash) and then shared by every owner that hit it;
 - evictable: cached (it has a hash) and referenced by nobody; kept in LRU order, and reused by
@@ -21,7 +22,7 @@ bookkeeping only: it records that an owner's full block holds the content its ha
 later `lookup` can share it.
 
 Rules, and the failure each closes: blocks are assigned only by `allocate` (F3), free ones first
-(lowest id), then the least-recently-released evictable one, whose hash entry is erased in the same
+(placed to keep tables consecutive), then the least-recently-released evictable one, whose hash entry is erased in the same
 step (a reused block never keeps a stale entry); `allocate` is all-or-nothing (`ArenaFull` changes
 nothing); `free`/`truncate` only drop references (an abort erases, evicts, reassigns nothing);
 `commit` registers a hash at most once (a duplicate stays private) and a block holds one content;
@@ -32,11 +33,11 @@ the LRU order (F5); `can_allocate(n)` is true exactly when `allocate(owner, n)` 
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
+from mmserve.cache.free_blocks import FreeBlocks
 from mmserve.cache.keys import key_prefix
 
 FREE = "free"
@@ -91,7 +92,7 @@ class BlockArena:
         self._refs: list[int] = [0] * num_blocks  # block → (owner, position) references
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
-        self._free: list[int] = list(range(num_blocks))  # a min-heap (a sorted list is one)
+        self._free = FreeBlocks(num_blocks)
         self._lru: OrderedDict[int, int] = OrderedDict()  # evictable block → release stamp, LRU first
         self._clock = 0
         self._referenced = 0  # blocks with refcount > 0
@@ -153,9 +154,10 @@ class BlockArena:
     def allocate_evicting(self, owner: Hashable, n: int) -> list[tuple[int, bytes | None]]:
         """`allocate`, also naming the entry erased from each block: (block, evicted hash or None).
 
-        Free blocks are taken first (lowest id first), then evictable blocks, least recently
-        released first; each one's hash entry is erased at once (F3). Raises `ArenaFull` and
-        changes nothing when fewer than `n` blocks are free or evictable.
+        Free blocks are taken first, placed to keep the owner's table one run of consecutive ids
+        (`FreeBlocks`: its KV is then read in place, not gathered). Then evictable
+        blocks, least recently released first; each one's hash entry is erased at once (F3).
+        Raises `ArenaFull` and changes nothing when fewer than `n` blocks are free or evictable.
         """
         _check_count(n)
         hash(owner)  # an unhashable owner fails here, before anything changed
@@ -164,15 +166,16 @@ class BlockArena:
             raise ArenaFull(n, available)
         if n == 0:
             return []
-        out: list[tuple[int, bytes | None]] = []
-        while len(out) < n and self._free:
-            out.append((heapq.heappop(self._free), None))
-        while len(out) < n:
-            block, _ = self._lru.popitem(last=False)
-            out.append((block, self._drop_entry(block)))
-            self._evictions += 1
         table = self._tables.setdefault(owner, [])
-        for block, _ in out:
+        out: list[tuple[int, bytes | None]] = []
+        for i in range(n):
+            if self._free:
+                block = self._free.take_next(table[-1] if table else None, n - i)
+                out.append((block, None))
+            else:
+                block, _ = self._lru.popitem(last=False)
+                out.append((block, self._drop_entry(block)))
+                self._evictions += 1
             self._refs[block] = 1
             table.append(block)
         self._referenced += n
@@ -251,16 +254,15 @@ class BlockArena:
                 self._clock += 1
                 self._lru[block] = self._clock
             else:
-                heapq.heappush(self._free, block)
+                self._free.give(block)
 
     def clear(self) -> int:
         """Drop every evictable entry (referenced blocks keep theirs); return how many."""
         n = len(self._lru)
         for block in self._lru:
             self._drop_entry(block)
-            self._free.append(block)
+            self._free.give(block)
         self._lru.clear()
-        heapq.heapify(self._free)
         self._cleared += n
         return n
 
@@ -299,7 +301,7 @@ class BlockArena:
 
     def free_blocks(self) -> list[int]:
         """Free blocks (no hash, no reference), ascending."""
-        return sorted(self._free)
+        return self._free.blocks()
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks (hash, no reference), the next eviction candidate first."""
@@ -314,7 +316,7 @@ class BlockArena:
     def snapshot(self) -> list[ArenaBlockInfo]:
         """Every block that is not free, by id: (block, state, refcount, hash prefix, LRU rank)."""
         rank = {block: r for r, block in enumerate(self._lru)}
-        free = set(self._free)
+        free = set(self.free_blocks())
         rows = []
         for block in range(self.num_blocks):
             if block in free:
@@ -345,12 +347,8 @@ class BlockArena:
         referenced = {b for b in range(n) if self._refs[b] > 0}
         if self._referenced != len(referenced):
             raise ValueError(f"referenced count {self._referenced} != {len(referenced)} referenced blocks")
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise ValueError(f"free list holds a block twice: {sorted(self._free)}")
-        for i in range(1, len(self._free)):
-            if self._free[(i - 1) // 2] > self._free[i]:
-                raise ValueError(f"free list is not a min-heap at index {i}: {self._free}")
+        self._free.check(n)
+        free = set(self.free_blocks())
         evictable = set(self._lru)
         if bad := sorted(b for b in free | evictable | set(self._hash_of) if not _in_range(b, n)):
             raise ValueError(f"blocks out of range [0, {n}): {bad}")
