@@ -22,7 +22,7 @@ block allocation aims for: `cache.free_blocks`) is read in place, as a view of t
 other is gathered into contiguous tensors first. Each prefill segment is one
 `scaled_dot_product_attention` call with a causal mask offset by `start`. On the CPU each decode
 token read in place is a call of its own (~70 us each; the gather it saves cost more: a
-16-sequence decode step of the bench model went from 67 ms to 27 ms); the other decode tokens go
+16-sequence decode step of the bench model went from 39 ms to 27 ms); the other decode tokens go
 together through one padded call (a key-padding mask, no causal mask) — as all of them do on a
 GPU, where a call per sequence would be a kernel launch per sequence.
 
