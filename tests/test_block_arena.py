@@ -151,19 +151,23 @@ def test_lookup_returns_longest_prefix_references_blocks_and_starts_the_table():
     a.check_invariants()
 
 
-def test_lookup_must_start_a_table():
-    a = BlockArena(4)
-    finished(a, "w", [A, B])
-    a.allocate("r1", 1)
-    before = (a.snapshot(), a.stats())
-    with pytest.raises(ValueError, match="start"):
-        a.lookup([A, B], "r1")
-    assert (a.snapshot(), a.stats()) == before and a.table("r1") == (2,)
-    assert a.lookup([A], "r2") == [0]
-    with pytest.raises(ValueError):
-        a.lookup([A], "r2")
-    a.free("r2")
-    assert a.lookup([A, B], "r2") == [0, 1]  # a freed owner may start again
+def test_lookup_continues_a_table_after_what_it_holds():
+    """A preempted sequence kept its first block (an image it cannot recompute) and gets back what
+    is still cached of the rest of its prompt: the hashes after its table are looked up."""
+    a = BlockArena(6)
+    a.allocate("r1", 3)
+    for i, h in enumerate([A, B, C]):
+        a.commit("r1", i, h)
+    a.truncate("r1", 1)  # preempted, keeping block 0
+    assert a.evictable_blocks() == [2, 1]
+    assert a.lookup([A, B, C, D], "r1") == [1, 2]
+    assert a.table("r1") == (0, 1, 2) and a.evictable_blocks() == [] and a.refcount(1) == 1
+    assert a.lookup([A, B, C, D], "r1") == []  # nothing more cached: the table is unchanged
+    assert a.table("r1") == (0, 1, 2)
+    assert a.lookup([A], "r1") == []  # hashes it already holds are not looked up again
+    s = a.stats()
+    assert (s.queries_blocks, s.hit_blocks) == (4, 2)
+    a.check_invariants()
 
 
 def test_a_hit_is_block_ids_shared_by_owners():
@@ -475,15 +479,15 @@ class RefArena:
         return tuple(self.tables.get(owner, ()))
 
     def lookup(self, hashes, owner) -> list[int]:
-        assert not self.tables.get(owner)
+        held = len(self.tables.get(owner, []))
         out = []
-        for h in hashes:
+        for h in hashes[held:]:
             if h not in self.entry:
                 break
             out.append(self.entry[h])
         if out:
-            self.tables[owner] = list(out)
-        self.queries += len(hashes)
+            self.tables.setdefault(owner, []).extend(out)
+        self.queries += max(0, len(hashes) - held)
         self.hits += len(out)
         return out
 
@@ -602,18 +606,15 @@ class ArenaMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from(OWNERS), spec=HASHES)
     def lookup(self, owner, spec):
+        """A new sequence's prefix hit, or a preempted one getting back what is still cached after
+        the blocks it kept."""
         hashes = self._hashes(spec)
-        if self.ref.table(owner):
-            before = (self.arena.snapshot(), self.arena.stats(), self.arena.table(owner))
-            with pytest.raises(ValueError):
-                self.arena.lookup(hashes, owner)
-            assert (self.arena.snapshot(), self.arena.stats(), self.arena.table(owner)) == before
-            return
-        if spec[0] is not None:
+        held = len(self.ref.table(owner))
+        if spec[0] is not None and not held:
             self.prompt[owner] = spec[0]
         got = self.arena.lookup(hashes, owner)
         assert got == self.ref.lookup(hashes, owner)
-        for h, block in zip(hashes, got):
+        for h, block in zip(hashes[held:], got):
             assert self.pool.get(block) == h, f"block {block} holds {self.pool.get(block)!r}, not the hit {h!r}"
         self._note_start(owner)
 

@@ -140,8 +140,9 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
                [{"role": "user", "content": [image_part(img), {"type": "text", "text": SINGLE[i % 3]}]}])
               for i, img in enumerate(images)]
     expected = [off.chat_completion(m, model=model, temperature=0, max_tokens=8, min_tokens=8).text for model, m in convos]
-    before = sum(on.runtime.registry.require(n).generator.preemptions for n in MODELS
-                 if n in on.runtime.registry.loaded)
+    loaded = [on.runtime.registry.require(n).generator for n in MODELS if n in on.runtime.registry.loaded]
+    before = sum(g.preemptions for g in loaded)
+    resumed_before = sum(g.resumed_blocks for g in loaded)
     got: list = [None] * len(convos)
 
     def one(i):
@@ -154,6 +155,8 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
     for t in threads:
         t.join(timeout=120)
     assert got == expected
-    after = sum(on.runtime.registry.require(n).generator.preemptions for n in MODELS)
-    assert after > before, "the arena was large enough: nothing was preempted"
+    generators = [on.runtime.registry.require(n).generator for n in MODELS]
+    assert sum(g.preemptions for g in generators) > before, "the arena was large enough: nothing was preempted"
+    # preempted sequences got blocks of theirs back from the cache instead of recomputing them
+    assert sum(g.resumed_blocks for g in generators) > resumed_before
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)

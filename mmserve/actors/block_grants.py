@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from mmserve.actors.messages import Allocate, Allocated
+from mmserve.actors.messages import Allocate, Allocated, Resume, Resumed
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.errors import ServiceUnavailable
 from mmserve.generation.scheduler import Planned, newest
@@ -60,6 +60,7 @@ class BlockGrants:
         self._release(victim, keep)
         victim.kv_len = min(victim.kv_len, keep * self.block_size)
         victim.committed = min(victim.committed, keep)
+        victim.resumable = victim.chain is not None and len(victim.hashes) > keep
         if victim.state is SeqState.DECODING:
             victim.move(SeqState.PREFILLING)
         self.preemptions += 1
@@ -68,6 +69,39 @@ class BlockGrants:
         self.log.info("generator.preempted", request_id=victim.request_id, kept_blocks=keep,
                       tokens=len(victim.tokens))
         return victim
+
+    async def _resume(self, seqs: list[Sequence]) -> None:
+        """Preempted sequences about to be prefilled again get back, from the manager, the blocks
+        of theirs still cached (committed before the preemption and not evicted since): their
+        prefill goes on after them. Each keeps at least its last token to compute (its logits)."""
+        wants = []
+        for seq in seqs:
+            seq.resumable = False
+            most = (seq.target_len - 1) // self.block_size
+            if seq.kv_len == seq.table_len * self.block_size and most > seq.table_len:
+                wants.append((seq.kv_owner, tuple(seq.hashes[:most])))
+        if not wants:
+            return
+        send, replies = trio.open_memory_channel(1)
+        self.cache_manager.send_nowait(Resume(tuple(wants), send))
+        reply: Resumed | None = None
+        with replies, trio.move_on_after(self.config.lookup_timeout_s):
+            reply = await replies.receive()
+        if reply is None:  # its prefill recomputes everything: slower, never wrong
+            self.log.warning("generator.resume_timeout", waited_s=self.config.lookup_timeout_s)
+            return
+        self._check_epoch(reply.epoch)
+        for owner, blocks in reply.tables:
+            seq = next((s for s in self.seqs if s.kv_owner == owner and s.state in LIVE), None)
+            if seq is None or not blocks:
+                continue
+            seq.table.extend(blocks)
+            seq.committed = seq.table_len
+            seq.kv_len = seq.table_len * self.block_size
+            seq.epoch, seq.registered = reply.epoch, True
+            self.resumed_blocks += len(blocks)
+            self.log.info("generator.resumed", request_id=seq.request_id, blocks=len(blocks),
+                          tokens=len(blocks) * self.block_size, kv_len=seq.kv_len, target_len=seq.target_len)
 
     def _give_way(self) -> None:
         """Nothing can run and nothing can be preempted: the blocks are held by sequences that kept

@@ -61,6 +61,7 @@ class Generator(BlockGrants, Answers, Actor):
         self._orders = itertools.count()
         self.steps = 0
         self.preemptions = 0
+        self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
         self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
@@ -185,7 +186,11 @@ class Generator(BlockGrants, Answers, Actor):
 
     async def _step_round(self) -> bool:
         """One step; False when nothing could run."""
-        plan = await self._granted(self._plan())
+        plan = self._plan()
+        if any(p.seq.resumable for p in plan):
+            await self._resume([p.seq for p in plan if p.seq.resumable])
+            plan = self._plan()
+        plan = await self._granted(plan)
         if not plan:
             return False
         t0 = time.monotonic()

@@ -201,6 +201,23 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Generator → manager: preempted sequences about to be prefilled again get back what is still
+    cached of their blocks. For each (owner, hashes), the cached blocks of `hashes` after the
+    owner's table are appended to it (zero bytes copied); the generator cuts `hashes` where the
+    sequence must still compute."""
+
+    wants: tuple[tuple[str, tuple[bytes, ...]], ...]
+    reply: trio.MemorySendChannel
+
+
+@dataclass(frozen=True)
+class Resumed:
+    tables: tuple[tuple[str, tuple[int, ...]], ...]  # the blocks appended to each owner's table
+    epoch: int
+
+
+@dataclass(frozen=True)
 class PrefixState:
     """What the KV cache holds for one request, from intake to generator: the prompt's full-block
     hashes, the blocks of its cached prefix (the start of its block table, `hit_tokens` long), and

@@ -22,7 +22,7 @@ from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
     Allocate, Allocated, ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release,
-    copy_pin)
+    Resume, Resumed, copy_pin)
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
@@ -86,6 +86,8 @@ class PrefixCacheManager(Actor):
             self._restore(msg)
         elif isinstance(msg, Fork):
             self._fork(msg)
+        elif isinstance(msg, Resume):
+            self._resume(msg)
         elif isinstance(msg, ClearCache):
             n = self.arena.clear()
             self.log.info("prefix_cache.cleared", entries=n, kept_referenced=self.arena.num_used())
@@ -173,6 +175,18 @@ class PrefixCacheManager(Actor):
             granted.append((rid, tuple(block for block, _ in taken)))
         if not _send(msg.reply, Allocated(tuple(granted), tuple(refused), self.epoch, self.arena.num_free())):
             for rid, blocks in granted:  # the generator stopped waiting: it never learned of them
+                self.arena.truncate(rid, len(self.arena.table(rid)) - len(blocks))
+
+    def _resume(self, msg: Resume) -> None:
+        tables = []
+        for rid, hashes in msg.wants:
+            kept = len(self.arena.table(rid))
+            blocks = self.arena.lookup(hashes, rid) if self.caching else []
+            self.log.info("prefix_cache.resume", request_id=rid, kept_blocks=kept, queried_blocks=len(hashes) - kept,
+                          hit_blocks=len(blocks))
+            tables.append((rid, tuple(blocks)))
+        if not _send(msg.reply, Resumed(tuple(tables), self.epoch)):
+            for rid, blocks in tables:  # the generator stopped waiting: it never learned of them
                 self.arena.truncate(rid, len(self.arena.table(rid)) - len(blocks))
 
     def _fork(self, msg: Fork) -> None:

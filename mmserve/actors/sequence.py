@@ -50,6 +50,7 @@ class Sequence:
     choice: int = 0  # its index among the request's n choices
     forks: list = field(default_factory=list)  # choice 0 until its prefill ends: (rng, matcher) of each other choice
     matcher: Any = None  # its grammar's state (response_format), None when unconstrained
+    resumable: bool = False  # preempted: what is still cached of its blocks is looked up before its prefill
 
     @classmethod
     def admit(cls, job: GenerateJob, assembler: TextAssembler, rng: torch.Generator | None, order: int,

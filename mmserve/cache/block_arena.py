@@ -26,7 +26,7 @@ Rules, and the failure each closes: blocks are assigned only by `allocate` (F3),
 step (a reused block never keeps a stale entry); `allocate` is all-or-nothing (`ArenaFull` changes
 nothing); `free`/`truncate` only drop references (an abort erases, evicts, reassigns nothing);
 `commit` registers a hash at most once (a duplicate stays private) and a block holds one content;
-`lookup` starts a table (a hit is always a prefix); eviction is least recently *released* first,
+`lookup` starts a table or continues it (a hit is always a prefix); eviction is least recently *released* first,
 a chain from its tail (what stays cached is still a usable prefix), and a hit takes a block out of
 the LRU order (F5); `can_allocate(n)` is true exactly when `allocate(owner, n)` would succeed.
 """
@@ -124,17 +124,17 @@ class BlockArena:
     # -- changes -------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], owner: Hashable) -> list[int]:
-        """Blocks of the longest cached prefix of `hashes`, which start `owner`'s block table.
+        """Blocks of the longest cached run of `hashes` after the owner's table, appended to it.
 
-        Each found block gets one more reference (an evictable one leaves the LRU order). The owner
-        must hold no blocks yet; a miss leaves it holding none.
+        A new owner's table starts with them (a prefix hit); one that holds k blocks — a preempted
+        sequence that kept what it cannot recompute, which must be hashes[:k] — gets back what
+        is still cached of hashes[k:]. Each found block gets one more reference (an evictable
+        one leaves the LRU order); a miss changes no table.
         """
         _check_hashes(hashes)
-        if self._tables.get(owner):
-            raise ValueError(f"owner {owner!r} already holds {len(self._tables[owner])} blocks; "
-                             "a lookup must start its block table")
+        held = len(self._tables.get(owner, ()))
         blocks: list[int] = []
-        for h in hashes:
+        for h in hashes[held:]:
             block = self._block_of.get(h)
             if block is None:
                 break
@@ -142,8 +142,8 @@ class BlockArena:
         for block in blocks:
             self._ref(block)
         if blocks:
-            self._tables[owner] = list(blocks)
-        self._queries_blocks += len(hashes)
+            self._tables.setdefault(owner, []).extend(blocks)
+        self._queries_blocks += max(0, len(hashes) - held)
         self._hit_blocks += len(blocks)
         return blocks
 
