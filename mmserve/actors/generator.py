@@ -227,19 +227,22 @@ class Generator(BlockGrants, Answers, Actor):
                 if c.child.state in LIVE and c.target in c.child.table:
                     self.kv.copy_block(c.source, c.target)
         results: list = [None] * len(plan)
-        rows, pieces, segments, positions = [], [], [], []
+        rows, ids, images, segments, positions = [], [], [], [], []
         for i, p in enumerate(plan):
             try:
                 if not p.decode:
                     fault("generator.prefill", p.seq.label)
                 start, end = p.seq.kv_len, p.seq.kv_len + p.tokens
                 rope = self.adapter.rope_positions(p.seq.job.prompt, len(p.seq.ids), start, end)
-                pieces.append(self._embeds(p.seq, start, end))
-                segments.append(Segment(tuple(p.seq.table), start, p.tokens))
-                positions.append(rope)
-                rows.append(i)
+                pieces = self._image_rows(p.seq, start, end)
             except Exception as e:
                 results[i] = e
+                continue
+            images += [(len(ids) + at, emb) for at, emb in pieces]
+            ids += p.seq.ids[start:end]
+            segments.append(Segment(tuple(p.seq.table), start, p.tokens))
+            positions.append(rope)
+            rows.append(i)
         if not rows:
             return results
         fault("generator.step")
@@ -248,7 +251,8 @@ class Generator(BlockGrants, Answers, Actor):
         wanted = [(r, i) for r, i in enumerate(rows) if plan[i].seq.kv_len + plan[i].tokens == plan[i].seq.target_len]
         constrained = [plan[i].seq for _, i in wanted if plan[i].seq.matcher is not None]
         masks = MaskJob(self.grammars, [s.matcher for s in constrained]) if constrained else None
-        logits = self.adapter.forward_paged(torch.cat(pieces, dim=1), segments, self.kv,
+        # every new token's embedding in one lookup (one host->device copy of the ids)
+        logits = self.adapter.forward_paged(self.adapter.embed(ids, images), segments, self.kv,
                                             torch.cat(positions, dim=1) if self.adapter.mrope else None)
         allowed = masks.allowed(logits.device) if masks is not None else None
         grammar_rows = {id(s): g for g, s in enumerate(constrained)}
@@ -260,15 +264,16 @@ class Generator(BlockGrants, Answers, Actor):
                 results[i] = -1  # computed, no token due (a prefill chunk before the prompt's end)
         return results
 
-    def _embeds(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """Input embeddings of tokens [start, end): the answer's tokens and the prompt's, with each
-        image's encoder output over its placeholders (the rows that fall in the range)."""
+    @staticmethod
+    def _image_rows(seq: Sequence, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """The encoder-output rows over the image placeholders among tokens [start, end) of `seq`:
+        (offset from `start`, rows) per image that falls in the range."""
         pieces = []
         for span, emb in zip(seq.job.prompt.spans, seq.job.image_embeds):
             lo, hi = max(span.start, start), min(span.start + span.length, end)
             if lo < hi:
                 pieces.append((lo - start, emb[lo - span.start:hi - span.start]))
-        return self.adapter.embed(seq.ids[start:end], pieces)
+        return pieces
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[int, Sequence]], allowed: torch.Tensor | None,
                 grammar_rows: dict[int, int]) -> list:
