@@ -52,11 +52,28 @@ def test_every_non_public_ipv6_is_refused(ip):
     assert address_refusal(ip) is not None
 
 
+SIX_TO_FOUR = ipaddress.ip_network("2002::/16")
+
+
 def _allowed_only_when_globally_routable_unicast(ip, non_public):
+    if ip.version == 6 and ip in SIX_TO_FOUR:  # judged by its IPv4 host (Python's own flags for
+        ip = ip.sixtofour                      # 2002::/16 differ between releases)
+        non_public = NON_PUBLIC_V4
     if address_refusal(ip) is None:
         assert ip.is_global and not ip.is_multicast and not ip.is_private
     if any(ip in ipaddress.ip_network(n) for n in non_public) or not ip.is_global:
         assert address_refusal(ip) is not None
+
+
+@pytest.mark.parametrize("address, reason", [
+    ("2002:808:808::", None), ("2002:a00:1::", "private (6to4)"), ("2002:7f00:1::", "loopback (6to4)")])
+def test_6to4_is_judged_by_its_ipv4_host_on_every_python(address, reason):
+    assert address_refusal(address) == reason
+
+
+@given(st.integers(0, 2**80 - 1).map(lambda low: ipaddress.IPv6Address((0x2002 << 112) | low)))
+def test_6to4_addresses_allowed_only_for_a_public_ipv4_host(ip):
+    _allowed_only_when_globally_routable_unicast(ip, NON_PUBLIC_V6)
 
 
 @given(st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address))

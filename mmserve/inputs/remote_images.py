@@ -104,7 +104,8 @@ def address_refusal(address: str | IPAddress, allow_private: bool = False) -> st
 
     Always refused: unspecified, multicast, IPv4 reserved (240/4, broadcast) — nothing an image
     can come from. With `allow_private = false`, anything not globally routable is refused too.
-    An IPv6 address that embeds an IPv4 one is judged by the IPv4 address as well.
+    An IPv6 address that embeds an IPv4 one is judged by the IPv4 address as well; a 6to4 one by
+    the IPv4 address alone. The answer is the same on every Python version.
     """
     ip = ipaddress.ip_address(address.split("%", 1)[0]) if isinstance(address, str) else address
     if isinstance(ip, ipaddress.IPv6Address):
@@ -114,6 +115,8 @@ def address_refusal(address: str | IPAddress, allow_private: bool = False) -> st
             reason = address_refusal(v4, allow_private)
             if reason is not None:
                 return f"{reason} ({kind})"
+            if kind == "6to4":  # what is reached is the IPv4 host; Python's flags for 2002::/16
+                return None     # changed in 3.12.4 / 3.13 (is_private), so they must not decide
     if ip.is_unspecified:
         return "unspecified"
     if ip.is_multicast:
