@@ -80,7 +80,7 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
              ("admin_key", 5), ("admin_key_env", 5)],
     "shared_cache": [("url", 5), ("url", "http://127.0.0.1:6379"), ("lookup_deadline_ms", 0), ("ttl_s", 0),
                      ("write_queue", 0), ("write_batch", 0), ("backoff_s", 0), ("max_backoff_s", 0.5),
-                     ("socket_timeout_s", -1)],
+                     ("socket_timeout_s", -1), ("finish_flush_ms", -1)],
     "models": [("name", ""), ("path", ""), ("path", "/no/such/checkpoint"), ("path", "builtin:no-such-demo"),
                ("default", "yes"), ("load", "lazy")],
 }

@@ -71,15 +71,16 @@ def conversation():
     return first, [Q_BACKGROUND, Q_SHAPE, "What color is the shape?"]
 
 
-async def run_conversation(rts, cache_salt=None):
-    """Turn i runs on rts[i % len(rts)]; returns [(answer, cached_tokens)] per turn."""
+async def run_conversation(rts, cache_salt=None, wait_for_writes=True):
+    """Turn i runs on rts[i % len(rts)]; returns [(answer, cached_tokens)] per turn. Without
+    `wait_for_writes` the next turn is sent the moment an answer ends."""
     msgs, later = conversation()
     out = []
     for i in range(len(later) + 1):
         rt = rts[i % len(rts)]
         text, cached = await answer(rt, msgs, cache_salt=cache_salt)
         out.append((text, cached))
-        if rt.config.shared_cache.enabled:
+        if rt.config.shared_cache.enabled and wait_for_writes:
             await settle(rt)
         if i < len(later):
             msgs = turn(msgs, text, later[i])
@@ -200,3 +201,51 @@ async def test_slow_redis_is_a_late_miss(demo_config, redis_server, redis_url):
         assert text == "white" and cached == 0
         assert elapsed < 1.2  # never waited for Redis past the deadlines
         assert tier(b).stats()["late"] >= 1
+
+
+def slow_writes(rt, seconds: float) -> None:
+    """Every pipelined write round trip of `rt`'s tier takes `seconds` longer (a slow link)."""
+    t = tier(rt)
+    fast = t._set_many
+
+    def slow(batch):
+        time.sleep(seconds)  # a worker thread, as the real round trip
+        return fast(batch)
+
+    t._set_many = slow
+
+
+@pytest.mark.parametrize("finish_flush_ms", [500.0, 0.0])
+async def test_an_answer_ends_once_its_blocks_are_in_redis(demo_config, redis_url, finish_flush_ms):
+    """Writes lag 150 ms behind; the next turn goes to the other replica the moment an answer
+    ends. With the flush (the default) it finds every block the answer committed — as many cached
+    tokens as when the test waits for the writes itself; without it, it finds fewer."""
+    async with Runtime.open(tier_config(demo_config, redis_url, finish_flush_ms=finish_flush_ms)) as a, \
+            Runtime.open(tier_config(demo_config, redis_url, finish_flush_ms=finish_flush_ms)) as b:
+        slow_writes(a, 0.15)
+        slow_writes(b, 0.15)
+        waited = await run_conversation([a, b], cache_salt="waited")
+        at_once = await run_conversation([a, b], cache_salt="at-once", wait_for_writes=False)
+        assert [t for t, _ in at_once] == [t for t, _ in waited]
+        if finish_flush_ms:
+            assert at_once == waited
+            assert tier(a).stats()["finish_flushed"] >= 1 and tier(a).stats()["finish_flush_late"] == 0
+        else:
+            assert sum(c for _, c in at_once) < sum(c for _, c in waited)
+
+
+async def test_a_stalled_redis_delays_an_answer_by_at_most_finish_flush_ms(demo_config, redis_server, redis_url):
+    msgs = ask(BLUE, Q_SHAPE)
+    async with Runtime.open(tier_config(demo_config, redis_url, finish_flush_ms=300.0, lookup_deadline_ms=100.0)) as a:
+        sleeper = threading.Thread(target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "2"))
+        sleeper.start()
+        try:
+            await trio.sleep(0.1)
+            t0 = time.monotonic()
+            text, _ = await answer(a, msgs, cache_salt="stalled")
+            elapsed = time.monotonic() - t0
+        finally:
+            sleeper.join()
+        assert text == "square"
+        assert elapsed < 1.2  # late look-ups (100 ms each), then at most 300 ms for the writes: not the 2 s stall
+        assert tier(a).stats()["finish_flush_late"] >= 1

@@ -97,8 +97,7 @@ class Answers:
         if tail:
             handle.emit(TokenEvent(tail, -1, seq.choice))
         usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
-        handle.emit(FinishEvent(reason, usage, seq.job.encoder_hits, seq.choice))
-        self._end(seq, SeqState.FINISHED)
+        self._end(seq, SeqState.FINISHED, FinishEvent(reason, usage, seq.job.encoder_hits, seq.choice))
         ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created
         if self.metrics is not None:
             self.metrics.request_finished(self.adapter.name, reason, usage.prompt_tokens,

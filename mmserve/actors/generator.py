@@ -25,7 +25,7 @@ from mmserve.actors.choices import BlockCopy, children, fork_of
 from mmserve.actors.faults import fault
 from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
-from mmserve.actors.messages import GenerateJob, KVEpoch, PrefixFailed, Release, copy_pin
+from mmserve.actors.messages import FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Release, copy_pin
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.token_rows import TokenPieces, row_specs
 from mmserve.cache.block_hash import BlockChain
@@ -66,6 +66,7 @@ class Generator(BlockGrants, Answers, Actor):
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
         self._pieces: TokenPieces | None = None  # token id → text and bytes, for logprobs
+        self.finish_after_flush = False  # set with a shared tier: the manager delivers the finish
 
     @property
     def grammars(self) -> Grammars:
@@ -153,16 +154,21 @@ class Generator(BlockGrants, Answers, Actor):
             self._end(seq, SeqState.ABORTED)
         self._prune()
 
-    def _end(self, seq: Sequence, state: SeqState) -> None:
-        """Moves `seq` to an end state; its blocks are released (the committed ones stay cached)."""
+    def _end(self, seq: Sequence, state: SeqState, finish: FinishEvent | None = None) -> None:
+        """Moves `seq` to an end state; its blocks are released (the committed ones stay cached).
+        `finish` is its last event: emitted now, or by the manager once its blocks are in the
+        shared tier (`finish_after_flush`)."""
         seq.move(state)
         if not any(s.handle is seq.handle and s.state in LIVE for s in self.seqs):
             self.in_flight.pop(seq.request_id, None)
-        self._release(seq)
+        later = finish is not None and self.finish_after_flush and (seq.registered or bool(seq.table))
+        if finish is not None and not later:
+            seq.handle.emit(finish)
+        self._release(seq, finish=(seq.handle, finish) if later else None)
 
-    def _release(self, seq: Sequence, keep: int = 0) -> None:
+    def _release(self, seq: Sequence, keep: int = 0, finish=None) -> None:
         if seq.registered or seq.table:
-            self.cache_manager.send_nowait(Release(seq.kv_owner, keep))
+            self.cache_manager.send_nowait(Release(seq.kv_owner, keep, finish))
         seq.table = seq.table[:keep]
         seq.registered = bool(keep)
 

@@ -230,6 +230,12 @@ class PrefixCacheManager(Actor):
             self.arena.free(msg.request_id)
         self.log.info("prefix_cache.release", request_id=msg.request_id, kept=msg.keep)
         self._done(msg.request_id)
+        if msg.finish is not None:  # its commits (earlier in this inbox) are queued for Redis by now
+            handle, event = msg.finish
+            if self.shared is not None:
+                self.shared.deliver_after_writes(handle, event)
+            else:
+                handle.emit(event)
 
     # -- the shared tier (Redis) under the arena ------------------------------------------------------
 

@@ -85,6 +85,9 @@ class SharedTier(Actor):
         self._probing = False
         self._late_streak = 0
         self._writing = 0  # values of the batch being written now
+        self._queued = 0  # values ever queued; the n-th one queued is settled once _settled >= n
+        self._settled = 0  # values written, failed or dropped, in queue order
+        self._settle_waits: list[tuple[int, trio.Event]] = []
         self._writes_send, self._writes = trio.open_memory_channel(config.write_queue)
         self._limiter = trio.CapacityLimiter(self.LOOKUP_THREADS)
 
@@ -223,7 +226,37 @@ class SharedTier(Actor):
         except trio.WouldBlock:
             self.counts["dropped_full"] += 1
             return False
+        self._queued += 1
         return True
+
+    def deliver_after_writes(self, handle, event) -> None:
+        """Emits `event` to `handle` once every value queued so far is written (or failed, or
+        dropped), and at the latest after `finish_flush_ms`: a response ends when the blocks it
+        committed can be found by any replica."""
+        target = self._queued
+        if self._settled >= target or self._nursery is None or not self.config.finish_flush_ms:
+            handle.emit(event)
+            return
+        done = trio.Event()
+        self._settle_waits.append((target, done))
+        self._nursery.start_soon(self._deliver, handle, event, done)
+
+    async def _deliver(self, handle, event, done: trio.Event) -> None:
+        t0 = trio.current_time()
+        try:
+            with trio.move_on_after(self.config.finish_flush_ms / 1000) as scope:
+                await done.wait()
+            self.counts["finish_flush_late" if scope.cancelled_caught else "finish_flushed"] += 1
+            self.counts["finish_flush_wait_ms"] += round((trio.current_time() - t0) * 1000)
+        finally:  # whatever happens to this actor, the response ends
+            handle.emit(event)
+
+    def _settle(self, n: int) -> None:
+        self._settled += n
+        ready = [e for target, e in self._settle_waits if target <= self._settled]
+        self._settle_waits = [(t, e) for t, e in self._settle_waits if t > self._settled]
+        for e in ready:
+            e.set()
 
     async def _write_loop(self) -> None:
         while True:
@@ -234,20 +267,26 @@ class SharedTier(Actor):
                 except trio.WouldBlock:
                     break
             self.progressed()
-            if not self.active():
-                self.counts["dropped_off"] += len(batch)
-                continue
-            self._writing = len(batch)
             try:
-                written, nbytes = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
-            except Exception as e:
-                self.counts["write_errors"] += len(batch)
-                self._failed(e, "write")
-                continue
+                await self._write(batch)
             finally:
-                self._writing = 0
-            self.counts["writes"] += written
-            self.counts["written_bytes"] += nbytes
+                self._settle(len(batch))
+
+    async def _write(self, batch: list) -> None:
+        if not self.active():
+            self.counts["dropped_off"] += len(batch)
+            return
+        self._writing = len(batch)
+        try:
+            written, nbytes = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
+        except Exception as e:
+            self.counts["write_errors"] += len(batch)
+            self._failed(e, "write")
+            return
+        finally:
+            self._writing = 0
+        self.counts["writes"] += written
+        self.counts["written_bytes"] += nbytes
 
     def _set_many(self, batch: list) -> tuple[int, int]:
         """Writes a batch in one pipelined round trip (SET NX EX: a value is written once)."""
@@ -275,7 +314,8 @@ class SharedTier(Actor):
                 "write_queue": self._writes.statistics().current_buffer_used,
                 **{k: c[k] for k in ("encoder_queries", "encoder_hits", "block_queries", "block_hits", "late",
                                      "corrupt", "errors", "outages", "probes_failed", "writes", "write_errors",
-                                     "written_bytes", "dropped_full", "dropped_off")}}
+                                     "written_bytes", "dropped_full", "dropped_off", "finish_flushed",
+                                     "finish_flush_late", "finish_flush_wait_ms")}}
 
     def health_details(self) -> dict:
         """For /health (informational: a tier that is off never makes the model unhealthy)."""
@@ -300,4 +340,6 @@ def attach_shared_tier(actors: dict, adapter, config: SharedCacheConfig) -> dict
         manager.shared = tier
         manager.kv = actors["generator"].kv
     actors["shared_tier"] = tier
+    if manager is not None and manager.caching and config.finish_flush_ms:
+        actors["generator"].finish_after_flush = True  # its Release carries the finish (see Release)
     return actors

@@ -230,6 +230,9 @@ class SharedCacheConfig:
     backoff_s: float = 1.0  # after an error the tier is off this long, doubling up to max_backoff_s
     max_backoff_s: float = 30.0
     socket_timeout_s: float = 1.0  # the client's connect and socket timeout (bounds a write round trip)
+    # a response ends once the KV blocks it committed are in Redis (so the next turn finds them on
+    # any replica), waiting at most this long for them; 0: it ends at once (writes in the background)
+    finish_flush_ms: float = 500.0
 
     def __post_init__(self) -> None:
         w = "[shared_cache]"
@@ -243,6 +246,7 @@ class SharedCacheConfig:
         check_number(w, "backoff_s", self.backoff_s, 0, lo_open=True)
         check_number(w, "max_backoff_s", self.max_backoff_s, self.backoff_s, bound=f">= backoff_s ({self.backoff_s})")
         check_number(w, "socket_timeout_s", self.socket_timeout_s, 0, lo_open=True)
+        check_number(w, "finish_flush_ms", self.finish_flush_ms, 0)
 
     @property
     def enabled(self) -> bool:

@@ -127,6 +127,10 @@ _SHARED_COUNTERS = {  # stats key → (metric, help)
     "writes": ("shared_cache_writes", "Values written to the shared tier."),
     "dropped_full": ("shared_cache_dropped_writes", "Writes dropped because the write queue was full."),
     "dropped_off": ("shared_cache_skipped_writes", "Writes skipped while the tier was off."),
+    "finish_flushed": ("shared_cache_finish_flushes", "Answers that ended once their blocks were written "
+                       "(they had to wait for the writes)."),
+    "finish_flush_late": ("shared_cache_finish_flush_timeouts", "Answers that ended after finish_flush_ms "
+                          "with writes still pending."),
 }
 
 
