@@ -11,6 +11,13 @@ from mmserve.config import Config, ModelConfig
 
 configure_logging("json", "info")
 
+DEVICE = os.environ.get("MMSERVE_TEST_DEVICE", "cpu")
+"""The device the runtime fixtures serve on (`MMSERVE_TEST_DEVICE=cuda` on a GPU machine; CI: cpu)."""
+
+
+def on_device(config: Config) -> Config:
+    return config if DEVICE == "cpu" else config.replace(runtime={"device": DEVICE})
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
@@ -28,7 +35,7 @@ def tiny_qwen_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_config(tiny_model_dir) -> Config:
-    return Config(models=(ModelConfig("tiny", str(tiny_model_dir), default=True),))
+    return on_device(Config(models=(ModelConfig("tiny", str(tiny_model_dir), default=True),)))
 
 
 def _demo_dir(name: str) -> str:
@@ -41,10 +48,10 @@ def _demo_dir(name: str) -> str:
 @pytest.fixture(scope="session")
 def demo_config() -> Config:
     """Both trained demo models, `demo` the default."""
-    return Config(models=(
+    return on_device(Config(models=(
         ModelConfig("demo", _demo_dir("demo"), default=True),
         ModelConfig("demo-wide", _demo_dir("demo-wide")),
-    ))
+    )))
 
 
 @pytest.fixture(scope="session")
