@@ -93,7 +93,11 @@ def _train_demo(args: argparse.Namespace) -> int:
 def _make_model(args: argparse.Namespace) -> int:
     from mmserve.models.demo import build_untrained
 
-    path = build_untrained(args.preset, args.out, seed=args.seed)
+    try:
+        path = build_untrained(args.preset, args.out, seed=args.seed, random_weights=args.random_weights)
+    except (ValueError, FileExistsError) as err:
+        print(f"mmserve make-model: {err}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -122,9 +126,34 @@ def _bench(args: argparse.Namespace) -> int:
         params = replace(params, preset=args.preset)
     if args.scenarios:
         params = replace(params, scenarios=args.scenarios)
+    if args.random_weights and args.model_dir:
+        print("mmserve bench: --random-weights builds the model; it does not apply to --model-dir", file=sys.stderr)
+        return 2
+    try:
+        params = replace(params, **device_options(args))
+    except ValueError as err:
+        print(f"mmserve bench: {err}", file=sys.stderr)
+        return 2
     report = run_bench(args.out, params, model_dir=args.model_dir)
     print(report["paths"]["md"])
     return 0 if all(r.get("status") in ("ok", "skipped") for r in report["scenarios"].values()) else 1
+
+
+def device_options(args: argparse.Namespace) -> dict:
+    """The bench's --device / --dtype / --random-weights / --kv-budget-mib as BenchParams fields;
+    ValueError for a device the runtime config would refuse, or a CUDA device torch does not have."""
+    from mmserve.config import RuntimeConfig
+
+    RuntimeConfig(device=args.device, dtype=args.dtype)  # the same checks as [runtime]
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
+    out = {"device": args.device, "dtype": args.dtype, "random_weights": args.random_weights}
+    if args.kv_budget_mib is not None:
+        out["kv_budget_mib"] = args.kv_budget_mib
+    return out
 
 
 def _scenario_list(text: str) -> tuple[str, ...]:
@@ -168,17 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_train_demo)
 
     m = sub.add_parser("make-model", help="build a random-weight LLaVA or Qwen2-VL checkpoint of a preset shape")
-    m.add_argument("--preset", default="bench", help="LLaVA: tiny | demo | demo-wide | bench; "
-                   "Qwen2-VL: tiny-qwen | demo-qwen | bench-qwen | qwen2-vl-7b (~15 GB, bfloat16)")
+    m.add_argument("--preset", default="bench", help="LLaVA: tiny | demo | demo-wide | bench | llava-7b (~14 GB, "
+                   "bfloat16); Qwen2-VL: tiny-qwen | demo-qwen | bench-qwen | qwen2-vl-7b (~15 GB, bfloat16)")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--random-weights", action="store_true", help="write no weight file: config, processor, "
+                   "tokenizer and a marker (mmserve-random-weights.json: seed, dtype, silenced tokens); mmserve "
+                   "draws the weights from the seed when it loads the directory, directly on its device "
+                   "(seconds, even for llava-7b / qwen2-vl-7b on a GPU)")
     m.set_defaults(func=_make_model)
 
     b = sub.add_parser("bench", help="benchmark mmserve side by side with raw transformers and with its caches off")
     b.add_argument("--model-dir", help="a LLaVA or Qwen2-VL checkpoint, the family read from its config.json "
                    "(default: build the random-weight --preset into <out>/<preset>-model, reused when present)")
     b.add_argument("--preset", help="the random-weight model to build without --model-dir: bench (LLaVA, the "
-                   "default) or bench-qwen (Qwen2-VL); tiny / tiny-qwen for tests")
+                   "default) or bench-qwen (Qwen2-VL); tiny / tiny-qwen for tests; llava-7b / qwen2-vl-7b (the "
+                   "real 7B shapes, for a GPU: always built as random-weights directories)")
+    b.add_argument("--random-weights", action="store_true", help="build the preset as a random-weights directory "
+                   "(config and processor, no weights file; every side draws the same weights from its seed, "
+                   "directly on the device) into <out>/<preset>-random-model")
+    b.add_argument("--device", default="cpu", help="where mmserve ([runtime] device) and the baselines run: cpu "
+                   "(the default), cuda, cuda:N")
+    b.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="mmserve's [runtime] dtype and the baselines' (default: float32)")
+    b.add_argument("--kv-budget-mib", type=int, help="mmserve's KV arena per model, in MiB (default: the config's "
+                   "256 MiB on the CPU, 8192 on CUDA)")
     b.add_argument("--out", default="bench-out", help="where report.json, report.md and report.png go")
     b.add_argument("--params", choices=("full", "quick", "test"), help="the parameter set (default: full); "
                    "test: seconds, for checking the machinery")

@@ -4,7 +4,12 @@ reference "prefill only the suffix on top of a precomputed KV cache" (via the ad
 Both exist for each family the benchmark runs. LLaVA loads with AutoProcessor. A Qwen2-VL
 checkpoint has no usable AutoProcessor here (Qwen2VLProcessor's video processor needs torchvision),
 so its inputs are built by hand from the tokenizer and `Qwen2VLImageProcessorPil`, as
-`mmserve.models.demo.qwen.build_inputs` does, and a batch is those rows left-padded by hand."""
+`mmserve.models.demo.qwen.build_inputs` does, and a batch is those rows left-padded by hand.
+
+Both load the model on the benchmark's device in its dtype, as mmserve does (a random-weights
+directory through the same loader, so all sides run the very same weights), and put their inputs
+there. On CUDA a timing waits for the GPU (`sync`) wherever it would otherwise stop early: `generate`
+hands each token to the streamer as a host tensor, which already waits for it."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from pathlib import Path
 from time import perf_counter
 
 import torch
-from transformers import (AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, DynamicCache,
+from transformers import (AutoProcessor, AutoTokenizer, DynamicCache,
                           Qwen2VLImageProcessorPil)
 from transformers.generation.streamers import BaseStreamer
 
@@ -24,6 +29,7 @@ from mmserve.inputs.request import parse_chat_request
 from mmserve.models.adapter import StepOutput
 from mmserve.models.demo.qwen import build_inputs
 from mmserve.models.loading import load_adapter
+from mmserve.models.random_weights import load_model
 from mmserve.models.qwen2_vl import _saved_template
 
 
@@ -51,17 +57,42 @@ class _TokenTimes(BaseStreamer):
         pass
 
 
-def hf_baseline(path) -> "HFBaseline":
-    """The raw-transformers baseline of the checkpoint's family."""
-    return QwenHFBaseline(path) if family(path) == QWEN else HFBaseline(path)
+def sync(device: torch.device | str) -> None:
+    """Waits for the device's queued work (CUDA); nothing to wait for on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_device_memory(device: torch.device | str) -> None:
+    """Hands freed CUDA memory back (a closed runtime's weights and KV arena), so that the next
+    runtime, or a server in its own process, can have it; nothing to do on the CPU."""
+    if torch.device(device).type == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def hf_baseline(path, device: str = "cpu", dtype: str = "float32", model=None) -> "HFBaseline":
+    """The raw-transformers baseline of the checkpoint's family (on `model`, when given: the
+    benchmark shares one loaded model with `SuffixPrefill`, which a 7B model on a GPU needs)."""
+    cls = QwenHFBaseline if family(path) == QWEN else HFBaseline
+    return cls(path, device, dtype, model=model)
 
 
 class HFBaseline:
     """The checkpoint loaded with AutoProcessor / AutoModelForImageTextToText, run with `generate`."""
 
-    def __init__(self, path):
+    def __init__(self, path, device: str = "cpu", dtype: str = "float32", model=None):
+        self.device = torch.device(device)
         self._load_preprocessing(path)
-        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = (model if model is not None else load_model(path, dtype, self.device)).to(self.device).eval()
+
+    def _on_device(self, inputs) -> dict:
+        """The model inputs on the model's device, pixels in its dtype (as mmserve's encoder casts them)."""
+        dtype = self.model.dtype
+        return {k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device))
+                if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def _load_preprocessing(self, path) -> None:
         self.processor = AutoProcessor.from_pretrained(path)
@@ -86,7 +117,7 @@ class HFBaseline:
         from the raw request (image decoding and preprocessing included) to each token."""
         clock = _TokenTimes()
         start = perf_counter()
-        inputs = self._inputs(messages)
+        inputs = self._on_device(self._inputs(messages))
         self.model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                             streamer=clock)
         first, last = clock.times[0], clock.times[-1]
@@ -100,7 +131,7 @@ class HFBaseline:
         `completion_tokens` is the tokens of one row (steps), checked against the output."""
         clock = _TokenTimes()
         start = perf_counter()
-        inputs = self._batch_inputs(requests)
+        inputs = self._on_device(self._batch_inputs(requests))
         out = self.model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                   streamer=clock)
         first, last = clock.times[0], clock.times[-1]
@@ -152,8 +183,8 @@ class SuffixPrefill:
     """Times the prefill of a prompt's suffix on top of a precomputed KV cache of its first `hit`
     tokens: the least work a prefix-cache hit can cost."""
 
-    def __init__(self, path):
-        self.adapter = load_adapter(MODEL, path)
+    def __init__(self, path, device: str = "cpu", dtype: str = "float32", adapter=None):
+        self.adapter = adapter if adapter is not None else load_adapter(MODEL, path, device=device, dtype=dtype)
 
     def _prompt(self, messages: list[dict]):
         """(embeddings [1, T, H], M-RoPE positions [3, T] or None, T) of the whole prompt."""
@@ -173,8 +204,10 @@ class SuffixPrefill:
         times = []
         for _ in range(repeats):
             cache = self._copy(prefix)
+            sync(self.adapter.device)  # the copy (and anything before it) is not part of the time
             t0 = perf_counter()
             self.prefill(full[:, hit:], cache, hit, _cols(positions, hit, n))
+            sync(self.adapter.device)
             times.append(perf_counter() - t0)
         return median(times), n - hit
 

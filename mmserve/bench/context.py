@@ -4,18 +4,20 @@
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Callable
 
 import httpx
 
-from mmserve.bench.baselines import HFBaseline, SuffixPrefill, hf_baseline
-from mmserve.bench.common import QUESTIONS, QWEN_IMAGE_SIZES, Images, Timing, timed_chat, timed_http
+from mmserve.bench.baselines import HFBaseline, SuffixPrefill, hf_baseline, release_device_memory
+from mmserve.bench.common import MODEL, QUESTIONS, QWEN_IMAGE_SIZES, Images, Timing, timed_chat, timed_http
 from mmserve.bench.model import QWEN, family
 from mmserve.bench.params import BenchParams
 from mmserve.bench.servers import bench_config, http_server, open_runtime
 from mmserve.actors import compute
+from mmserve.models.loading import load_adapter
 
 WARMUP_IMAGE = 10_000  # image indices from here on are for warm-ups only
 
@@ -34,6 +36,7 @@ class Bench:
         self._hf: HFBaseline | None = None
         self._hf_batch_warm = False
         self._ref: SuffixPrefill | None = None
+        self._adapter = None  # one loaded model under both baselines (a 7B one twice would crowd a GPU)
 
     def new_image(self) -> int:
         """An image index no earlier request of this run has used (so no cache can know it)."""
@@ -52,10 +55,19 @@ class Bench:
     # libgomp stops spin-waiting between ops in *every* team, slowing both sides of a comparison
     # by different amounts (a 28-token suffix prefill went from ~24 ms to ~40 ms in this process).
 
+    async def _baseline_adapter(self):
+        if self._adapter is None:
+            p = self.params
+            self._adapter = await compute.run(partial(load_adapter, MODEL, self.model_dir, device=p.device,
+                                                      dtype=p.dtype))
+        return self._adapter
+
     async def _hf_baseline(self) -> HFBaseline:
         if self._hf is None:
             self.note("loading HF baseline")
-            self._hf = await compute.run(hf_baseline, self.model_dir)
+            model = (await self._baseline_adapter()).model
+            self._hf = await compute.run(partial(hf_baseline, self.model_dir, self.params.device, self.params.dtype,
+                                                 model=model))
             await compute.run(self._hf.generate, self.ask(next(self._warmups)), 2)
         return self._hf
 
@@ -77,20 +89,27 @@ class Bench:
         """(median seconds, suffix tokens) of the bare prefill of the prompt's tokens after `hit`."""
         if self._ref is None:
             self.note("loading reference adapter")
-            self._ref = await compute.run(SuffixPrefill, self.model_dir)
+            adapter = await self._baseline_adapter()
+            self._ref = await compute.run(partial(SuffixPrefill, self.model_dir, adapter=adapter))
             await compute.run(self._ref.time, self.ask(next(self._warmups)), 0, 1)
         return await compute.run(self._ref.time, messages, hit, repeats)
 
     def config(self, prefix: bool = True, encoder: bool = True):
-        return bench_config(self.model_dir, self.params.torch_threads, prefix=prefix, encoder=encoder)
+        p = self.params
+        return bench_config(self.model_dir, p.torch_threads, prefix=prefix, encoder=encoder, device=p.device,
+                            dtype=p.dtype, kv_budget_bytes=p.kv_budget_bytes())
 
     @asynccontextmanager
     async def runtime(self, prefix: bool = True, encoder: bool = True):
         """An embedded Runtime, warmed up by one request (on an image no scenario uses)."""
         self.note(f"starting runtime (prefix cache {'on' if prefix else 'off'}, encoder cache {'on' if encoder else 'off'})")
-        async with open_runtime(self.config(prefix, encoder)) as rt:
-            await timed_chat(rt, self.ask(next(self._warmups), QUESTIONS[1]), 2)
-            yield rt
+        try:
+            async with open_runtime(self.config(prefix, encoder)) as rt:
+                await timed_chat(rt, self.ask(next(self._warmups), QUESTIONS[1]), 2)
+                yield rt
+        finally:
+            rt = None  # noqa: F841  (the closed runtime's model and KV arena can go now)
+            release_device_memory(self.params.device)  # for the next runtime, or a server's own process
 
     @asynccontextmanager
     async def server(self, prefix: bool = True, encoder: bool = True):

@@ -12,6 +12,11 @@ Both families are built this way: LLaVA presets (`bench`, `tiny`, ...) and Qwen2
 (`bench-qwen`, `tiny-qwen`, ...; the Qwen tokenizer's vision tokens are special, so a random
 Qwen model never emits an image pad either). Which family a checkpoint is comes from its
 config.json, as for `mmserve serve`.
+
+Presets too large for a weights file to be worth writing (`llava-7b`, `qwen2-vl-7b`), or any preset
+with `random_weights`, are built as random-weights directories instead (no weight file; the model
+is drawn from a seed, on the device, where it is loaded: mmserve.models.random_weights). Their
+silenced tokens are the same ones, listed in the directory's marker and zeroed at load.
 """
 
 from __future__ import annotations
@@ -20,16 +25,18 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
-
-from mmserve.models.demo.build import build_model, build_processor, get_preset, save
+from mmserve.models.demo.build import build_model, build_processor, build_untrained, get_preset, save
 from mmserve.models.demo.qwen import (QWEN_PRESETS, build_image_processor, build_qwen_model, get_qwen_preset,
                                       save_qwen)
 from mmserve.models.demo.tokenizer import build_qwen_tokenizer
 from mmserve.models.loading import FAMILIES, model_type
+from mmserve.models.random_weights import remove_marker, silence, silent_token_ids
 
 MARKER = "bench-model.json"
 QWEN = "qwen2_vl"
+RANDOM_ONLY = frozenset({"llava-7b", "qwen2-vl-7b"})
+"""Presets the benchmark always builds as random-weights directories (a weights file of 14-15 GB
+would only be written to be read back)."""
 
 
 def family(model_dir) -> str:
@@ -42,19 +49,27 @@ def family_name(kind: str) -> str:
     return FAMILIES.get(kind, kind)
 
 
-def _streams_as_text(tokenizer, token_id: int) -> bool:
-    text = tokenizer.decode([token_id])
-    return bool(text.strip()) and "\ufffd" not in text and token_id not in tokenizer.all_special_ids
-
-
 def _silence(model, tok) -> int:
-    silent = [i for i in range(model.lm_head.weight.shape[0]) if not _streams_as_text(tok, i)]
-    with torch.no_grad():
-        model.lm_head.weight[silent] = 0
+    silent = silent_token_ids(tok, model.lm_head.weight.shape[0])
+    silence(model, silent)
     return len(silent)
 
 
-def build_bench_model(preset: str, out_dir) -> Path:
+def uses_random_weights(preset: str, random_weights: bool = False) -> bool:
+    return random_weights or preset in RANDOM_ONLY
+
+
+def default_model_dir(out, preset: str, random_weights: bool = False) -> Path:
+    """Where the benchmark builds `preset` under its output directory."""
+    return Path(out) / (f"{preset}-random-model" if uses_random_weights(preset, random_weights) else f"{preset}-model")
+
+
+def build_bench_model(preset: str, out_dir, random_weights: bool = False) -> Path:
+    if uses_random_weights(preset, random_weights):
+        out = build_untrained(preset, out_dir, seed=0, random_weights=True)
+        (out / MARKER).write_text(json.dumps(_identity(preset, True)) + "\n")
+        return out
+    remove_marker(out_dir)
     if preset in QWEN_PRESETS:
         tok = build_qwen_tokenizer()
         model = build_qwen_model(preset, tok, seed=0)
@@ -69,20 +84,24 @@ def build_bench_model(preset: str, out_dir) -> Path:
     return out
 
 
-def _identity(preset: str) -> dict:
+def _identity(preset: str, random_weights: bool = False) -> dict:
     shape = get_qwen_preset(preset) if preset in QWEN_PRESETS else get_preset(preset)
+    identity = {"preset": preset, "shape": dataclasses.asdict(shape), "seed": 0}
+    if uses_random_weights(preset, random_weights):
+        identity["random_weights"] = True
     # through JSON, as the marker holds it: a tuple field reads back as a list
-    return json.loads(json.dumps({"preset": preset, "shape": dataclasses.asdict(shape), "seed": 0}))
+    return json.loads(json.dumps(identity))
 
 
-def ensure_model(model_dir, preset: str) -> Path:
+def ensure_model(model_dir, preset: str, random_weights: bool = False) -> Path:
     """The benchmark checkpoint of `preset` in `model_dir`, built there unless one of the same preset
-    and shape is already there."""
+    and shape (and kind: weights file or random weights) is already there."""
     model_dir = Path(model_dir)
     marker = model_dir / MARKER
     built = json.loads(marker.read_text()) if marker.exists() else {}
-    if {k: built.get(k) for k in ("preset", "shape", "seed")} != _identity(preset):
-        build_bench_model(preset, model_dir)
+    wanted = _identity(preset, random_weights)
+    if {k: built.get(k) for k in wanted} != wanted or set(built) - set(wanted) - {"silent_tokens_zeroed"}:
+        build_bench_model(preset, model_dir, random_weights)
     return model_dir
 
 

@@ -14,6 +14,11 @@ class BenchParams:
     scenarios: tuple[str, ...] = ALL_SCENARIOS
     torch_threads: int = 2
     http: str = "subprocess"  # "subprocess": `mmserve serve` in its own process; "inprocess": same trio run
+    # where every side runs: mmserve's [runtime] device / dtype, and the baselines' model and inputs
+    device: str = "cpu"
+    dtype: str = "float32"
+    random_weights: bool = False  # build the preset as a random-weights directory (always: llava-7b, qwen2-vl-7b)
+    kv_budget_mib: int = 0  # mmserve's KV arena; 0: the config default on the CPU, CUDA_KV_BUDGET_MIB on CUDA
     # 1. single-stream decode
     decode_tokens: int = 64
     decode_repeats: int = 3
@@ -35,6 +40,16 @@ class BenchParams:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def kv_budget_bytes(self) -> int | None:
+        """mmserve's `[kv_cache] budget_bytes`, or None for the config's default."""
+        mib = self.kv_budget_mib or (CUDA_KV_BUDGET_MIB if self.device.startswith("cuda") else 0)
+        return mib << 20 if mib else None
+
+
+CUDA_KV_BUDGET_MIB = 8192
+"""The KV arena on a GPU unless given: the default 256 MiB holds 512 tokens of a 7B model in
+bfloat16 (0.5 MiB a token), less than one request with an image; 8 GiB holds 16 such requests."""
 
 
 FULL = BenchParams("full")

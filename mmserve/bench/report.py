@@ -72,6 +72,7 @@ def markdown(report: dict) -> str:
         f"{meta['torch_threads']}, {meta['cpu_count']} CPUs, load average {fmt(meta['loadavg_start'])} at start and "
         f"{fmt(meta['loadavg_end'])} at the end; took {meta['duration_s']:.0f} s. torch {meta['torch']}, "
         f"transformers {meta['transformers']}.",
+        _device_line(meta),
         "Every comparison ran side by side in this run: read the ratios; absolute times on a shared machine mean "
         "little. Baselines: raw transformers `generate` (scenarios 1-2; one request after another, and at the "
         "top concurrency level also all of them in one batched call), the same runtime with the cache off "
@@ -84,6 +85,15 @@ def markdown(report: dict) -> str:
     ]
     parts += _details(report["scenarios"])
     return "\n\n".join(parts) + "\n"
+
+
+def _device_line(meta: dict) -> str:
+    """The device, its name, the dtype and the CUDA build (reports from before they were recorded:
+    the CPU, float32)."""
+    weights = "random weights drawn at load (no weights file)" if meta.get("random_weights") else "weights from files"
+    return (f"Device `{meta.get('device', 'cpu')}` ({meta.get('device_name') or 'unknown'}), dtype "
+            f"{meta.get('dtype', 'float32')}, CUDA {meta.get('cuda') or 'none (CPU build)'}; "
+            f"{weights}.")
 
 
 def _model_title(meta: dict) -> str:

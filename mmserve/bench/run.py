@@ -15,12 +15,15 @@ import trio
 from tqdm import tqdm
 
 from mmserve.bench.context import Bench
-from mmserve.bench.model import QWEN, built_preset, ensure_model, family_name, tokens_per_image
+from mmserve.bench.model import (QWEN, built_preset, default_model_dir, ensure_model, family_name,
+                                 tokens_per_image)
 from mmserve.bench.params import BenchParams
 from mmserve.bench.report import write_reports
 from mmserve.bench.scenarios import SCENARIOS
 from mmserve.logs import configure_logging
 from mmserve.actors import compute
+from mmserve.models.random_weights import is_random_weights
+from mmserve.runtime.runtime import configure_device
 
 
 def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None = None,
@@ -28,7 +31,11 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
     """Runs `params.scenarios` and writes report.json / report.md / report.png into `out`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(model_dir) if model_dir else ensure_model(out / f"{params.preset}-model", params.preset)
+    if not model_dir:
+        model_dir = ensure_model(default_model_dir(out, params.preset, params.random_weights), params.preset,
+                                 params.random_weights)
+    model_dir = Path(model_dir)
+    configure_device(params.device)  # as mmserve's runtime does: the baselines in this process get it too
     with _quiet_process_settings(params.torch_threads):
         meta = _meta(params, model_dir)
         start = time.perf_counter()
@@ -124,5 +131,27 @@ def _family_meta(bench: Bench) -> dict:
 def _meta(params: BenchParams, model_dir: Path) -> dict:
     return {"params": params.to_json(), "model_dir": str(model_dir), "torch_threads": params.torch_threads,
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            **device_meta(params.device, params.dtype), "random_weights": is_random_weights(model_dir),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": _loadavg(),
             "thread_probe_start": thread_probe(params.torch_threads)}
+
+
+def device_meta(device: str, dtype: str) -> dict:
+    """Where the run ran: the device, its name (the GPU's, or the CPU model), the dtype, and the
+    CUDA version torch was built with (None for a CPU build)."""
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+    return {"device": device, "device_name": name, "dtype": dtype, "cuda": torch.version.cuda}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "CPU"

@@ -26,11 +26,15 @@ from mmserve.runtime.runtime import Runtime
 START_TIMEOUT_S = 180
 
 
-def bench_config(model_dir: Path, threads: int, prefix: bool = True, encoder: bool = True) -> Config:
-    """One model, named `bench`, with the prefix and encoder caches on or off."""
+def bench_config(model_dir: Path, threads: int, prefix: bool = True, encoder: bool = True, *,
+                 device: str = "cpu", dtype: str = "float32", kv_budget_bytes: int | None = None) -> Config:
+    """One model, named `bench`, with the prefix and encoder caches on or off, on `device` in
+    `dtype` (a KV arena of `kv_budget_bytes`; None: the default)."""
+    kv = {"prefix_caching": prefix} | ({"budget_bytes": kv_budget_bytes} if kv_budget_bytes else {})
     return Config(models=(ModelConfig(MODEL, str(Path(model_dir).resolve()), default=True),)).replace(
-        runtime={"torch_threads": threads}, kv_cache={"prefix_caching": prefix}, encoder_cache={"enabled": encoder},
-        server={"host": "127.0.0.1", "port": 0}, logging={"format": "json", "level": "info"})
+        runtime={"torch_threads": threads, "device": device, "dtype": dtype}, kv_cache=kv,
+        encoder_cache={"enabled": encoder}, server={"host": "127.0.0.1", "port": 0},
+        logging={"format": "json", "level": "info"})
 
 
 def _toml_value(v) -> str:

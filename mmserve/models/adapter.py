@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 
 from mmserve.cache.keys import check_hash_algorithm, image_identity
-from mmserve.cache.signature import model_sig
+from mmserve.models.random_weights import checkpoint_sig
 
 hf_logging.disable_progress_bar()
 
@@ -113,7 +113,7 @@ class Adapter(ABC):
         self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
         self.answer_lead = self._answer_lead()
         dtype_name = str(self.dtype).removeprefix("torch.")  # 'float32', 'float16', 'bfloat16'
-        self.model_sig = model_sig(name, self.path, dtype=dtype_name, device_type=self.device.type)
+        self.model_sig = checkpoint_sig(name, self.path, dtype=dtype_name, device_type=self.device.type)
         self.processor_digest = self._processor_digest()
 
     # -- what a family provides ------------------------------------------------------------

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache
+from transformers import AutoProcessor, DynamicCache
 
 from mmserve.cache.keys import processor_digest
 from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs, StepOutput
+from mmserve.models.random_weights import load_model
 
 __all__ = ["ImageSpan", "LlavaAdapter", "PromptInputs", "StepOutput"]
 
@@ -26,7 +27,7 @@ class LlavaAdapter(Adapter):
         self.processor = AutoProcessor.from_pretrained(self.path)
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
-        self.model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=self.dtype)
+        self.model = load_model(self.path, self.dtype, self.device)  # random-weights dirs: drawn on the device
         self.image_token_id = int(self.model.config.image_token_id)
 
     def _processor_digest(self) -> int:

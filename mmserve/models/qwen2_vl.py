@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmserve.cache.keys import image_identity, processor_digest
 from mmserve.models.adapter import Adapter, PromptInputs
+from mmserve.models.random_weights import load_model
 
 # image processors whose arithmetic the PIL one reproduces (the fast one's torchvision resize
 # differs from PIL's by rounding only); any other needs code this install cannot run
@@ -54,7 +55,7 @@ class Qwen2VLAdapter(Adapter):
             self.tokenizer.chat_template = _saved_template(self.path)
         if self.tokenizer.chat_template is None:
             raise ValueError(f"model {self.name!r}: {self.path} has no chat template (tokenizer or chat_template.jinja)")
-        self.model = AutoModelForImageTextToText.from_pretrained(self.path, dtype=self.dtype)
+        self.model = load_model(self.path, self.dtype, self.device)  # random-weights dirs: drawn on the device
         self.image_token_id = int(self.model.config.image_token_id)
         self.merge_size = int(self.image_processor.merge_size)
         if int(self.model.config.vision_config.spatial_merge_size) != self.merge_size:

@@ -38,6 +38,14 @@ __all__ = ["CACHE_KINDS", "ChatCompletion", "ChatStream", "Delta", "Runtime", "c
 CACHE_KINDS = ("encoder", "prefix")  # what POST /admin/cache/reset can empty
 
 
+def configure_device(device: str) -> None:
+    """Process-wide torch settings for `device`, chosen at run time (nothing on the CPU). CUDA:
+    cuDNN's SDPA backend plans anew for every new sequence length (~55 ms each on an H100), and
+    decode makes a new length every step, so attention uses torch's other SDPA kernels."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Runtime:
     """A running mmserve: actors, models and the supervisor, inside the caller's trio run."""
 
@@ -66,6 +74,7 @@ class Runtime:
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
             compute.configure(config.runtime.torch_threads)
+        configure_device(config.runtime.device)
         body_error: Exception | None = None
         async with trio.open_nursery() as nursery:
             rt = cls(config, nursery)

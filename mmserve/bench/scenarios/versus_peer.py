@@ -10,6 +10,7 @@ from mmserve.bench.common import QUESTIONS, Timing, median, ratio, row, timed_ht
 from mmserve.bench.context import Bench
 from mmserve.bench.scenarios.shared import at_least, brief
 from mmserve.bench.scenarios.throughput import run_level
+from mmserve.models.random_weights import is_random_weights
 
 
 # -- 6. peer: transformers serve ------------------------------------------------------------
@@ -30,6 +31,12 @@ async def _timed_text(client, url: str, messages: list[dict], tokens: int) -> Ti
     return await timed_http(client, url, messages, tokens, first="text")
 
 
+def _no_weights(b: Bench) -> str | None:
+    if is_random_weights(b.model_dir):
+        return "a random-weights checkpoint (no weights file) loads in mmserve only, not in `transformers serve`"
+    return None
+
+
 async def peer(b: Bench) -> dict:
     """Scenarios 1 and 2's workloads against HF `transformers serve` on the same model, side by side
     with an mmserve HTTP server (caches off) started for this scenario: the same requests, mmserve
@@ -37,7 +44,7 @@ async def peer(b: Bench) -> dict:
     family it cannot load here (Qwen2-VL): skipped.
     The peer failing to start or to answer: an error row with the end of its log, after whatever was
     measured before; the peer process is always stopped."""
-    reason = peer_lib.unsupported(b.family) or peer_lib.unavailable()
+    reason = peer_lib.unsupported(b.family) or _no_weights(b) or peer_lib.unavailable()
     if reason:
         return {"status": "skipped", "reason": reason, "rows": [row(PEER, "transformers serve", f"skipped: {reason}")]}
     p = b.params

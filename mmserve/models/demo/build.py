@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from mmserve.config import DEMO_CHECKPOINTS
+from mmserve.models.random_weights import remove_marker, write_random_weights
 
 from .tokenizer import CHAT_TEMPLATE, build_tokenizer
 
@@ -48,6 +49,10 @@ class Preset:
     text_intermediate: int
     max_position_embeddings: int = 4096
     trained: bool = False  # True: a committed checkpoint exists (see checkpoint_dir)
+    vocab_size: int | None = None  # None: the tokenizer's; larger: ids it lacks decode to nothing
+    dtype: str = "float32"  # the dtype the model is built (and saved) in
+    vision_act: str = "quick_gelu"  # the CLIP tower's activation
+    vision_feature_layer: int = -1  # -1 for tiny towers (PITFALLS.md); LLaVA-1.5 reads -2
 
     @property
     def num_image_tokens(self) -> int:
@@ -117,6 +122,26 @@ PRESETS: dict[str, Preset] = {
         text_kv_heads=8,
         text_intermediate=1408,
     ),
+    # random weights, LLaVA-1.5-7B's shape: Llama-2-7B + CLIP ViT-L/14 at 336 px (576 image tokens), its
+    # vocabulary padded to 32064 as the real one; ~14 GB in bfloat16: make-model --random-weights, or the GPU
+    "llava-7b": Preset(
+        name="llava-7b",
+        image_size=336,
+        patch_size=14,
+        vision_hidden=1024,
+        vision_layers=24,
+        vision_heads=16,
+        vision_intermediate=4096,
+        text_hidden=4096,
+        text_layers=32,
+        text_heads=32,
+        text_kv_heads=32,
+        text_intermediate=11008,
+        max_position_embeddings=4096,
+        vocab_size=32064,
+        dtype="bfloat16",
+        vision_feature_layer=-2,
+    ),
 }
 
 
@@ -161,10 +186,10 @@ def build_config(preset: str | Preset, tokenizer) -> LlavaConfig:
         image_size=p.image_size,
         patch_size=p.patch_size,
         projection_dim=p.vision_hidden,
-        hidden_act="quick_gelu",
+        hidden_act=p.vision_act,
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=p.vocab_size or len(tokenizer),
         hidden_size=p.text_hidden,
         intermediate_size=p.text_intermediate,
         num_hidden_layers=p.text_layers,
@@ -176,28 +201,39 @@ def build_config(preset: str | Preset, tokenizer) -> LlavaConfig:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    return LlavaConfig(
+    config = LlavaConfig(
         vision_config=vision,
         text_config=text,
         image_token_index=tokenizer.image_token_id,
         image_seq_length=p.num_image_tokens,
         projector_hidden_act="gelu",
         vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
+        vision_feature_layer=p.vision_feature_layer,
     )
+    if p.dtype != "float32":  # the float32 presets' saved configs stay as they were
+        config.dtype = p.dtype
+    return config
 
 
-def build_model(preset: str | Preset, tokenizer, seed: int = 0) -> LlavaForConditionalGeneration:
-    config = build_config(preset, tokenizer)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
+def generation_config(tokenizer) -> GenerationConfig:
+    return GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
         max_new_tokens=16,
     )
+
+
+def build_model(preset: str | Preset, tokenizer, seed: int = 0) -> LlavaForConditionalGeneration:
+    p = get_preset(preset)
+    config = build_config(p, tokenizer)
+    torch.manual_seed(seed)
+    if p.dtype == "float32":
+        model = LlavaForConditionalGeneration(config)
+    else:  # built in its dtype: a float32 copy of the 7B shape would take 28 GB
+        model = LlavaForConditionalGeneration._from_config(config, dtype=getattr(torch, p.dtype))
+    model.generation_config = generation_config(tokenizer)
     model.eval()
     return model
 
@@ -210,15 +246,31 @@ def save(model, processor, out_dir) -> pathlib.Path:
     return out
 
 
-def build_untrained(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
+def build_untrained(preset: str, out_dir, seed: int = 0, random_weights: bool = False) -> pathlib.Path:
     """Build tokenizer + processor + random-init model for ``preset`` and save them to out_dir.
 
+    ``random_weights``: save no weights, only the config, processor and a marker; the model is
+    drawn from ``seed`` where it is loaded (:mod:`mmserve.models.random_weights`).
     Qwen2-VL preset names (``tiny-qwen``, ``bench-qwen``, ...) go to :mod:`.qwen`.
     """
-    from .qwen import QWEN_PRESETS, build_untrained_qwen  # lazy: qwen imports this module
+    from .qwen import QWEN_PRESETS, build_untrained_qwen, write_random_qwen  # lazy: qwen imports this module
 
     if isinstance(preset, str) and preset in QWEN_PRESETS:
+        if random_weights:
+            return write_random_qwen(preset, out_dir, seed=seed)
         return build_untrained_qwen(preset, out_dir, seed=seed)
+    if random_weights:
+        return write_random_llava(preset, out_dir, seed=seed)
     processor = build_processor(preset)
     model = build_model(preset, processor.tokenizer, seed=seed)
+    remove_marker(out_dir)
     return save(model, processor, out_dir)
+
+
+def write_random_llava(preset: str | Preset, out_dir, seed: int = 0) -> pathlib.Path:
+    """A random-weights directory of a LLaVA preset (no weight file; see build_untrained)."""
+    p = get_preset(preset)
+    processor = build_processor(p)
+    tok = processor.tokenizer
+    return write_random_weights(out_dir, build_config(p, tok), generation_config(tok), [processor], tok,
+                                seed=seed, dtype=p.dtype, preset=p.name)
