@@ -249,3 +249,33 @@ async def test_a_stalled_redis_delays_an_answer_by_at_most_finish_flush_ms(demo_
         assert text == "square"
         assert elapsed < 1.2  # late look-ups (100 ms each), then at most 300 ms for the writes: not the 2 s stall
         assert tier(a).stats()["finish_flush_late"] >= 1
+
+
+async def test_a_slow_chain_read_keeps_the_blocks_that_arrived_in_time(demo_config, redis_url, monkeypatch):
+    """KV blocks are read a chunk at a time (here one block per round trip, each taking 60 ms,
+    against a 100 ms deadline): the blocks that arrived in time are restored — a shorter hit, not
+    a miss — and the answer is cache-off's."""
+    from mmserve.actors import shared_tier as tier_module
+
+    msgs, later = conversation()
+    async with Runtime.open(off_config(demo_config)) as off:
+        first, _ = await answer(off, msgs)
+        expected, _ = await answer(off, turn(msgs, first, later[0]))
+    async with Runtime.open(tier_config(demo_config, redis_url)) as a:
+        text, _ = await answer(a, msgs, cache_salt="slow")
+        await settle(a)
+    monkeypatch.setattr(tier_module, "FETCH_CHUNK_BYTES", 1)
+    async with Runtime.open(tier_config(demo_config, redis_url, lookup_deadline_ms=100.0)) as b:
+        t = tier(b)
+        fast = t._get_decode
+
+        def slow(*args):
+            time.sleep(0.06)
+            return fast(*args)
+
+        t._get_decode = slow
+        got, cached = await answer(b, turn(msgs, text, later[0]), cache_salt="slow")
+        block = b.registry.require("demo").prefix_cache.block_size
+    assert got == expected
+    assert cached == block  # one block arrived in time (60 ms); the second would have come at 120 ms
+    assert t.stats()["late"] >= 1

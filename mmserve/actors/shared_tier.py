@@ -27,6 +27,7 @@ look-ups in threads are bounded by a limiter and the client's socket timeout.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from mmserve.config import SharedCacheConfig
 
 ON, OFF = "on", "off"
 LATE_STREAK_OFF = 3  # this many late look-ups in a row count as an error (Redis is too slow)
+FETCH_CHUNK_BYTES = 4 << 20  # KV blocks are read about this much per round trip (what arrived by the deadline is kept)
 
 
 @dataclass(frozen=True)
@@ -163,21 +165,47 @@ class SharedTier(Actor):
         out: list[torch.Tensor | None] = [None] * len(redis_keys)
         if not redis_keys or not self.active():
             return out
-        deadline = self.config.lookup_deadline_ms / 1000
-        with trio.move_on_after(deadline) as scope:
+        got = await self._get_by(trio.current_time() + self.config.lookup_deadline_ms / 1000, kind,
+                                 redis_keys, dtype, shapes)
+        return out if got is None else got
+
+    async def get_chain(self, kind: int, redis_keys: Sequence[bytes], dtype: torch.dtype,
+                        shape: Sequence[int], chunk: int) -> list[torch.Tensor]:
+        """The values of a chain of keys, as many consecutive ones from the first as are stored,
+        read `chunk` at a time: what has arrived when the look-up deadline passes is kept (a
+        shorter hit), not thrown away with the rest."""
+        found: list[torch.Tensor] = []
+        if not redis_keys or not self.active():
+            return found
+        deadline = trio.current_time() + self.config.lookup_deadline_ms / 1000
+        for at in range(0, len(redis_keys), chunk):
+            keys = redis_keys[at:at + chunk]
+            got = await self._get_by(deadline, kind, keys, dtype, [shape] * len(keys))
+            for t in got or ():
+                if t is None:
+                    return found
+                found.append(t)
+            if got is None:
+                break
+        return found
+
+    async def _get_by(self, deadline: float, kind: int, redis_keys, dtype, shapes) -> list | None:
+        """One pipelined read answered by `deadline`; None when late, failed or off."""
+        with trio.move_on_at(deadline) as scope:
             try:
                 out, corrupt = await trio.to_thread.run_sync(
                     self._get_decode, kind, list(redis_keys), dtype, list(shapes),
                     limiter=self._limiter, abandon_on_cancel=True)
             except Exception as e:
                 self._failed(e, "lookup")
-                return [None] * len(redis_keys)
+                return None
         if scope.cancelled_caught:
             self.counts["late"] += 1
             self._late_streak += 1
             if self._late_streak >= LATE_STREAK_OFF:
-                self._failed(f"{self._late_streak} look-ups in a row took longer than {deadline * 1000:g} ms", "lookup")
-            return [None] * len(redis_keys)
+                ms = self.config.lookup_deadline_ms
+                self._failed(f"{self._late_streak} look-ups in a row took longer than {ms:g} ms", "lookup")
+            return None
         self._late_streak = 0
         if corrupt:
             self.counts["corrupt"] += corrupt
@@ -198,11 +226,9 @@ class SharedTier(Actor):
         t0, found = time.monotonic(), []
         try:
             keys = [block_key(h) for h in msg.hashes]
-            tensors = await self.get_many(KIND_KV_BLOCK, keys, msg.dtype, [msg.shape] * len(keys))
-            for t in tensors:  # a chain: only the blocks before the first gap can be used
-                if t is None:
-                    break
-                found.append(t)
+            block_bytes = math.prod(msg.shape) * msg.dtype.itemsize
+            found = await self.get_chain(KIND_KV_BLOCK, keys, msg.dtype, msg.shape,
+                                         max(1, FETCH_CHUNK_BYTES // block_bytes))
             self.counts["block_queries"] += len(keys)
             self.counts["block_hits"] += len(found)
             self.log.info("shared_tier.blocks", request_id=msg.request_id, queried=len(keys), found=len(found),
