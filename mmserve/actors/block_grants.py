@@ -95,8 +95,9 @@ class BlockGrants:
             seq = next((s for s in self.seqs if s.kv_owner == owner and s.state in LIVE), None)
             if seq is None or not blocks:
                 continue
+            if seq.committed == seq.table_len:  # the resumed blocks are cache entries: committed
+                seq.committed += len(blocks)
             seq.table.extend(blocks)
-            seq.committed = seq.table_len
             seq.kv_len = seq.table_len * self.block_size
             seq.epoch, seq.registered = reply.epoch, True
             self.resumed_blocks += len(blocks)
