@@ -130,7 +130,7 @@ def _bench(args: argparse.Namespace) -> int:
         print("mmserve bench: --random-weights builds the model; it does not apply to --model-dir", file=sys.stderr)
         return 2
     try:
-        params = replace(params, **device_options(args))
+        params = replace(params, **device_options(args, params))
     except ValueError as err:
         print(f"mmserve bench: {err}", file=sys.stderr)
         return 2
@@ -139,18 +139,21 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if all(r.get("status") in ("ok", "skipped") for r in report["scenarios"].values()) else 1
 
 
-def device_options(args: argparse.Namespace) -> dict:
-    """The bench's --device / --dtype / --random-weights / --kv-budget-mib as BenchParams fields;
-    ValueError for a device the runtime config would refuse, or a CUDA device torch does not have."""
+def device_options(args: argparse.Namespace, params=None) -> dict:
+    """The bench's --device / --dtype / --random-weights / --kv-budget-mib as BenchParams fields
+    (a device or dtype not given: the parameter set's); ValueError for a device the runtime config
+    would refuse, or a CUDA device torch does not have."""
     from mmserve.config import RuntimeConfig
 
-    RuntimeConfig(device=args.device, dtype=args.dtype)  # the same checks as [runtime]
-    if args.device.startswith("cuda"):
+    device = args.device or (params.device if params is not None else "cpu")
+    dtype = args.dtype or (params.dtype if params is not None else "float32")
+    RuntimeConfig(device=device, dtype=dtype)  # the same checks as [runtime]
+    if device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
-    out = {"device": args.device, "dtype": args.dtype, "random_weights": args.random_weights}
+            raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA device")
+    out = {"device": device, "dtype": dtype, "random_weights": args.random_weights or bool(params and params.random_weights)}
     if args.kv_budget_mib is not None:
         out["kv_budget_mib"] = args.kv_budget_mib
     return out
@@ -216,15 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--random-weights", action="store_true", help="build the preset as a random-weights directory "
                    "(config and processor, no weights file; every side draws the same weights from its seed, "
                    "directly on the device) into <out>/<preset>-random-model")
-    b.add_argument("--device", default="cpu", help="where mmserve ([runtime] device) and the baselines run: cpu "
-                   "(the default), cuda, cuda:N")
-    b.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                   help="mmserve's [runtime] dtype and the baselines' (default: float32)")
+    b.add_argument("--device", help="where mmserve ([runtime] device) and the baselines run: cpu "
+                   "(the default; --params gpu: cuda), cuda, cuda:N")
+    b.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="mmserve's [runtime] dtype and the baselines' (default: float32; --params gpu: bfloat16)")
     b.add_argument("--kv-budget-mib", type=int, help="mmserve's KV arena per model, in MiB (default: the config's "
                    "256 MiB on the CPU, 8192 on CUDA)")
     b.add_argument("--out", default="bench-out", help="where report.json, report.md and report.png go")
-    b.add_argument("--params", choices=("full", "quick", "test"), help="the parameter set (default: full); "
-                   "test: seconds, for checking the machinery")
+    b.add_argument("--params", choices=("full", "quick", "test", "gpu"), help="the parameter set (default: full); "
+                   "test: seconds, for checking the machinery; gpu: llava-7b on cuda in bfloat16, 1/8/32 concurrent")
     b.add_argument("--quick", action="store_true", help="the same as --params quick: fewer tokens, levels and "
                    "turns (a few minutes)")
     b.add_argument("--scenarios", type=_scenario_list, help="run only these, comma-separated, in the usual order: "

@@ -26,11 +26,25 @@ def test_cli_parses_the_gpu_run():
     args = build_parser().parse_args(["bench", "--device", "cuda", "--dtype", "bfloat16", "--preset", "llava-7b"])
     assert (args.device, args.dtype, args.preset, args.random_weights) == ("cuda", "bfloat16", "llava-7b", False)
     args = build_parser().parse_args(["bench", "--random-weights", "--kv-budget-mib", "512"])
-    assert args.random_weights and args.kv_budget_mib == 512 and (args.device, args.dtype) == ("cpu", "float32")
+    assert args.random_weights and args.kv_budget_mib == 512 and (args.device, args.dtype) == (None, None)
     opts = device_options(args)
     assert opts == {"device": "cpu", "dtype": "float32", "random_weights": True, "kv_budget_mib": 512}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--dtype", "float64"])
+
+
+def test_the_gpu_parameter_set():
+    from mmserve.bench.params import PARAMS
+
+    gpu = PARAMS["gpu"]
+    assert (gpu.preset, gpu.device, gpu.dtype, gpu.levels, gpu.batched_levels) == (
+        "llava-7b", "cuda", "bfloat16", (1, 8, 32), (8, 32))
+    args = build_parser().parse_args(["bench", "--params", "gpu", "--dtype", "float16"])
+    if torch.cuda.is_available():
+        assert device_options(args, gpu)["device"] == "cuda" and device_options(args, gpu)["dtype"] == "float16"
+    else:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            device_options(args, gpu)
 
 
 def test_cli_refuses_bad_devices(tmp_path, capsys):
@@ -114,3 +128,13 @@ def test_report_records_device_and_dtype(tmp_path):
     assert meta["params"]["device"] == "cpu" and meta["model_dir"].endswith("tiny-random-model")
     md = (tmp_path / "report.md").read_text()
     assert "Device `cpu`" in md and "dtype bfloat16" in md and "random weights" in md
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals_over_their_span():
+    from mmserve.bench.gpu_busy import busy_summary, union_length
+
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4  # overlaps counted once
+    assert union_length([(0, 10), (2, 3)]) == 10 and union_length([]) == 0
+    s = busy_summary([(0, 2), (1, 3), (5, 6), (8, 10)], steps=2)
+    assert s["busy"] == 6 / 10 and s["kernels"] == 4 and s["kernels_per_step"] == 2
+    assert busy_summary([], 3)["busy"] is None

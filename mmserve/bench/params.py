@@ -1,4 +1,5 @@
-"""Parameter sets of the benchmark: `full`, `quick` (< 3 min on 2 cores) and `test` (tiny, seconds)."""
+"""Parameter sets of the benchmark: `full`, `quick` (< 3 min on 2 cores), `test` (tiny, seconds) and
+`gpu` (a LLaVA-1.5-7B-shaped model on one CUDA GPU in bfloat16, a few minutes on an H100)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class BenchParams:
     decode_repeats: int = 3
     # 2. concurrency sweep
     levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    batched_levels: tuple[int, ...] = ()  # levels whose requests HF also runs as one batched call (the top one always)
     sweep_tokens: int = 128  # a typical chat answer; with short answers the prompt prefill dominates
     health_interval_s: float = 0.02
     kv_sample_interval_s: float = 0.005  # KV arena usage of the embedded run at the top level (also sampled per delta)
@@ -56,7 +58,14 @@ FULL = BenchParams("full")
 QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=3, levels=(1, 4, 8, 16), sweep_tokens=64,
                 turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2,
                 peer_levels=(1, 8))
+GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat16", torch_threads=4,
+              scenarios=("decode", "concurrency", "multiturn", "same_image", "three_images"),
+              decode_tokens=128, levels=(1, 8, 32), batched_levels=(8, 32), sweep_tokens=128,
+              kv_budget_mib=16384, turns=4, turn_tokens=32, conversations=4, image_repeats=3)
+"""The GPU issue's figures: single-stream decode, 8 and 32 concurrent against HF's batched
+`generate` of the same requests, TTFT at 32, prefix hits; a 16 GiB KV arena holds 32 requests of
+one image (~600 tokens, 0.5 MiB a token in bfloat16)."""
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
                levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4)
 
-PARAMS = {p.name: p for p in (FULL, QUICK, TEST)}
+PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call on the GPU machine (see ../shared/gpu/README.md): everything lands under $OUT.
+#   run with carry [".gpu"]:   bash scripts/gpu-run.sh tests     # the suite on CUDA (~3 min)
+#                              bash scripts/gpu-run.sh bench     # mmserve bench --params gpu (~6 min)
+#                              bash scripts/gpu-run.sh smoke     # a 4-token llava-7b bench: the machinery only
+# Try it here first with OUT=/tmp/out DEVICE=cpu (the tests part runs on the CPU then).
+set -uo pipefail
+OUT=${OUT:?set OUT (the device tool sets it)}
+what=${1:-bench}
+[ -f .gpu/env.sh ] && source .gpu/env.sh
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+mkdir -p "$OUT"
+{ nvidia-smi || true; $PY -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"; } > "$OUT/machine.txt" 2>&1
+case "$what" in
+  tests)
+    MMSERVE_TEST_DEVICE=$DEVICE timeout 540 $PY -m pytest -m "not slow" tests -q -p no:cacheprovider \
+      --maxfail=40 > "$OUT/pytest-$DEVICE.txt" 2>&1
+    tail -30 "$OUT/pytest-$DEVICE.txt" ;;
+  bench)
+    timeout 570 $PY -m mmserve.cli bench --params gpu --device "$DEVICE" --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+    tail -5 "$OUT/bench.log"; cat "$OUT/bench/report.md" 2>/dev/null | head -60 ;;
+  smoke)
+    timeout 300 $PY -m mmserve.cli bench --params test --preset llava-7b --device "$DEVICE" --dtype bfloat16 \
+      --scenarios decode,concurrency --out "$OUT/smoke" > "$OUT/smoke.log" 2>&1
+    tail -20 "$OUT/smoke.log" ;;
+  *) echo "usage: scripts/gpu-run.sh tests|bench|smoke" >&2; exit 2 ;;
+esac
