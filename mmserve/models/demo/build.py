@@ -14,7 +14,6 @@ import torch
 from transformers import (
     CLIPImageProcessorPil,
     CLIPVisionConfig,
-    GenerationConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -24,7 +23,7 @@ from transformers import (
 from mmserve.config import DEMO_CHECKPOINTS
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
-from .tokenizer import CHAT_TEMPLATE, build_tokenizer
+from .tokenizer import CHAT_TEMPLATE, build_tokenizer, generation_config
 
 CHECKPOINTS_ROOT = DEMO_CHECKPOINTS  # one place knows where the committed checkpoints live
 
@@ -215,16 +214,6 @@ def build_config(preset: str | Preset, tokenizer) -> LlavaConfig:
     return config
 
 
-def generation_config(tokenizer) -> GenerationConfig:
-    return GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
-        max_new_tokens=16,
-    )
-
-
 def build_model(preset: str | Preset, tokenizer, seed: int = 0) -> LlavaForConditionalGeneration:
     p = get_preset(preset)
     config = build_config(p, tokenizer)
@@ -253,7 +242,7 @@ def build_untrained(preset: str, out_dir, seed: int = 0, random_weights: bool = 
     drawn from ``seed`` where it is loaded (:mod:`mmserve.models.random_weights`).
     Qwen2-VL preset names (``tiny-qwen``, ``bench-qwen``, ...) go to :mod:`.qwen`.
     """
-    from .qwen import QWEN_PRESETS, build_untrained_qwen, write_random_qwen  # lazy: qwen imports this module
+    from .qwen import QWEN_PRESETS, build_untrained_qwen, write_random_qwen  # lazy: most callers build LLaVA only
 
     if isinstance(preset, str) and preset in QWEN_PRESETS:
         if random_weights:

@@ -20,13 +20,13 @@ import dataclasses
 import pathlib
 
 import torch
-from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmserve.config import DEMO_CHECKPOINTS
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
-from .tokenizer import build_qwen_tokenizer
+from .tokenizer import build_qwen_tokenizer, generation_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,19 +178,9 @@ def build_qwen_model(preset: str | QwenPreset, tokenizer, seed: int = 0) -> Qwen
     config = build_qwen_config(p, tokenizer)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration._from_config(config, dtype=getattr(torch, p.dtype))
-    model.generation_config = _generation_config(tokenizer)
+    model.generation_config = generation_config(tokenizer)
     model.eval()
     return model
-
-
-def _generation_config(tokenizer) -> GenerationConfig:
-    return GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
-        max_new_tokens=16,
-    )
 
 
 def save_qwen(model, tokenizer, image_processor, out_dir) -> pathlib.Path:
@@ -216,7 +206,7 @@ def write_random_qwen(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
     marker, no weight file (:mod:`mmserve.models.random_weights`)."""
     p = get_qwen_preset(preset)
     tok = build_qwen_tokenizer()
-    return write_random_weights(out_dir, build_qwen_config(p, tok), _generation_config(tok),
+    return write_random_weights(out_dir, build_qwen_config(p, tok), generation_config(tok),
                                 [tok, build_image_processor(p)], tok, seed=seed, dtype=p.dtype, preset=p.name)
 
 

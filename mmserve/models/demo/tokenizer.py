@@ -21,7 +21,7 @@ special tokens instead of ``<image>``; its template writes each image as
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from . import render
 
@@ -130,3 +130,14 @@ def build_qwen_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.chat_template = QWEN_CHAT_TEMPLATE
     return tok
+
+
+def generation_config(tokenizer) -> GenerationConfig:
+    """The demo models' generation config: greedy, 16 new tokens, the tokenizer's special ids."""
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        max_new_tokens=16,
+    )
