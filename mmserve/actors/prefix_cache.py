@@ -224,18 +224,18 @@ class PrefixCacheManager(Actor):
         self._done(msg.request_id)
 
     def _release(self, msg: Release) -> None:
+        if msg.finish is not None:  # first: the answer ends even if the bookkeeping below raises
+            handle, event = msg.finish  # its commits (earlier in this inbox) are queued for Redis by now
+            if self.shared is not None:
+                self.shared.deliver_after_writes(handle, event)
+            else:
+                handle.emit(event)
         if msg.keep:
             self.arena.truncate(msg.request_id, msg.keep)
         else:
             self.arena.free(msg.request_id)
         self.log.info("prefix_cache.release", request_id=msg.request_id, kept=msg.keep)
         self._done(msg.request_id)
-        if msg.finish is not None:  # its commits (earlier in this inbox) are queued for Redis by now
-            handle, event = msg.finish
-            if self.shared is not None:
-                self.shared.deliver_after_writes(handle, event)
-            else:
-                handle.emit(event)
 
     # -- the shared tier (Redis) under the arena ------------------------------------------------------
 
