@@ -85,9 +85,14 @@ def root_hash(model_sig: int, cache_salt: str | None, *, algorithm: str = HASH_X
 def block_layout(prev: bytes, token_ids: Sequence[int], extra: Sequence[ExtraKey]) -> bytes:
     """prev (16 bytes) | u32 #tokens | u32 per token | u32 #items
     | per item: mm_hash (16 bytes), u32 offset, u32 start in block, u32 length."""
+    return _layout(prev, _token_array(token_ids), extra)
+
+
+def _layout(prev: bytes, tokens: np.ndarray, extra: Sequence[ExtraKey]) -> bytes:
+    """`block_layout` of tokens already checked and converted by `_token_array` (a chain checks
+    its tokens once, not once per block)."""
     if len(prev) != HASH_BYTES:
         raise ValueError(f"previous hash must be {HASH_BYTES} bytes")
-    tokens = _token_array(token_ids)
     parts = [bytes(prev), u32(len(tokens)), tokens.tobytes(), u32(len(extra))]
     for e in extra:
         parts += [e.mm_hash, u32(e.offset, "offset"), u32(e.start_in_block, "start"), u32(e.length, "length")]
@@ -131,7 +136,8 @@ def block_hashes(
     hashes, prev = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         end = start + block_size
-        prev = hash_block(prev, tokens[start:end], block_extra_keys(items, start, end), algorithm=algorithm)
+        prev = content_key(_layout(prev, tokens[start:end], block_extra_keys(items, start, end)), SEED_BLOCK_HASH,
+                           algorithm)
         hashes.append(prev)
     return hashes
 
@@ -202,8 +208,8 @@ class BlockChain:
         prev = out[-1] if out else self.root
         for i in range(len(out), full):
             start, end = i * self.block_size, (i + 1) * self.block_size
-            prev = hash_block(prev, tokens[start:end], block_extra_keys(self.items, start, end),
-                              algorithm=self.algorithm)
+            layout = _layout(prev, tokens[start:end], block_extra_keys(self.items, start, end))
+            prev = content_key(layout, SEED_BLOCK_HASH, self.algorithm)
             out.append(prev)
         return out
 
