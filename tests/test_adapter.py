@@ -125,6 +125,23 @@ def test_tokenize_without_pixels_matches_the_processor(adapter, n_images):
         assert torch.equal(lazy.pixels(adapter, i), full.pixel_values[i])
 
 
+def test_placeholder_counts_are_asked_of_the_processor_once_per_image_size(adapter, monkeypatch):
+    asked = []
+    count = adapter.processor._get_num_multimodal_tokens
+
+    def counting(image_sizes, **kw):
+        asked.append(tuple(image_sizes))
+        return count(image_sizes=image_sizes, **kw)
+
+    monkeypatch.setattr(adapter.processor, "_get_num_multimodal_tokens", counting)
+    monkeypatch.setattr(adapter, "_token_counts", {}, raising=False)
+    msgs = messages(2, Q_FIRST)
+    small, large = images(2)[0].resize((64, 48)), images(2)[1].resize((300, 200))
+    for _ in range(3):
+        assert adapter.tokenize(msgs, [small, large]).input_ids == adapter.preprocess(msgs, [small, large]).input_ids
+    assert asked == [((48, 64),), ((200, 300),)]
+
+
 def test_tokenize_refuses_a_placeholder_count_that_does_not_match(adapter):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "look: <image> and"}, {"type": "image"}]}]
     with pytest.raises(ValueError):
