@@ -134,7 +134,7 @@ def test_placeholder_counts_are_asked_of_the_processor_once_per_image_size(adapt
         return count(image_sizes=image_sizes, **kw)
 
     monkeypatch.setattr(adapter.processor, "_get_num_multimodal_tokens", counting)
-    monkeypatch.setattr(adapter, "_token_counts", {}, raising=False)
+    monkeypatch.setattr(adapter, "_token_counts", {})
     msgs = messages(2, Q_FIRST)
     small, large = images(2)[0].resize((64, 48)), images(2)[1].resize((300, 200))
     for _ in range(3):

@@ -29,6 +29,7 @@ class LlavaAdapter(Adapter):
         self.image_processor = self.processor.image_processor
         self.model = load_model(self.path, self.dtype, self.device)  # random-weights dirs: drawn on the device
         self.image_token_id = int(self.model.config.image_token_id)
+        self._token_counts: dict[tuple[int, int], int | None] = {}  # image size -> placeholders
 
     def _processor_digest(self) -> int:
         return processor_digest(self.image_processor.to_dict())
@@ -73,7 +74,7 @@ class LlavaAdapter(Adapter):
     def _image_token_count(self, height: int, width: int) -> int | None:
         """The placeholder count of an image of this size; remembered per size, since the
         processor's own answer costs a kwargs merge and validation (~0.4 ms) every call."""
-        memo = self.__dict__.setdefault("_token_counts", {})
+        memo = self._token_counts
         if (height, width) not in memo:
             if len(memo) >= 4096:  # sizes are the client's choice: bounded
                 memo.clear()
