@@ -26,6 +26,14 @@ def image_part(img, fmt: str = "PNG") -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(img, fmt)}}
 
 
+def join_all(threads: list[threading.Thread], timeout: float) -> None:
+    """Waits for the threads, `timeout` seconds in all: a hang costs the suite that much once, not
+    once per thread."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 async def assert_nothing_held(rt) -> None:
     """Once the runtime is idle, no loaded model holds anything for a request: no sequence in the
     generator, no encoder job or pin, no KV block held, no waiter or in-flight registration, and

@@ -16,7 +16,7 @@ import trio
 
 from mmserve import SyncRuntime
 from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image
-from tests.helpers import assert_nothing_held, image_part
+from tests.helpers import assert_nothing_held, image_part, join_all
 
 SIZES = [None, (112, 48), (40, 96), (128, 128), (72, 56), (32, 32), (120, 40)]  # None: the 64x64 default
 IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i, size=size)
@@ -121,8 +121,7 @@ def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
     threads = [threading.Thread(target=converse, args=(c,)) for c in workload]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=120)
+    join_all(threads, timeout=120)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a conversation never ended"
     assert not mismatches, mismatches[:3]
@@ -152,8 +151,7 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(convos))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=120)
+    join_all(threads, timeout=120)
     assert got == expected
     generators = [on.runtime.registry.require(n).generator for n in MODELS]
     assert sum(g.preemptions for g in generators) > before, "the arena was large enough: nothing was preempted"

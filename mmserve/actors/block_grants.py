@@ -17,8 +17,8 @@ class BlockGrants:
     async def _granted(self, plan: list[Planned]) -> list[Planned]:
         """The plan, with the blocks it needs granted. A decode token that finds no block preempts
         the newest sequence holding blocks, and the step is planned again; a prefill chunk that
-        finds none waits — unless only prefills wait, holding blocks the oldest needs: then the
-        newest of them gives way."""
+        finds none waits — unless only prefills wait: then the newest holder other than the
+        oldest of them is preempted, so the oldest sequence always gets its blocks in the end."""
         while plan:
             if not any(p.new_blocks for p in plan):
                 return plan  # every token fits the blocks it holds: nothing to ask
@@ -37,43 +37,34 @@ class BlockGrants:
                 return plan
             stuck = any(p.decode and p.seq.kv_owner in refused for p in plan)
             oldest_refused = min((p.seq for p in plan if p.seq.kv_owner in refused), key=lambda s: s.order)
-            if stuck or not going:
-                victim = self._preempt_newest(spare=None if stuck else oldest_refused)
-                if victim is None:
-                    if not going:
-                        self._give_way()
-                    return going
+            if (stuck or not going) and self._preempt_newest(spare=None if stuck else oldest_refused):
                 plan = self._plan()
                 continue
-            return going
+            return going  # the blocks are held outside this generator for now (pinned by lookups)
         return []
 
     def _preempt_newest(self, spare: Sequence | None = None) -> Sequence | None:
-        """Frees the blocks of the newest sequence holding any it can recompute (not `spare`); it
-        is prefilled again later, from its kept blocks on. None when there is no such sequence."""
-        holders = [s for s in self.seqs if s.state in LIVE and s is not spare
-                   and s.table_len > s.unrecomputable_blocks(self.block_size)]
-        victim = newest(holders)
+        """Frees every block of the newest sequence holding any (not `spare`); it is prefilled
+        again later, from what is still cached of its blocks on (its images encoded again where
+        their KV is gone). None when no other sequence holds a block."""
+        victim = newest([s for s in self.seqs if s.state in LIVE and s is not spare and s.table])
         if victim is None:
             return None
-        keep = victim.unrecomputable_blocks(self.block_size)
-        self._release(victim, keep)
-        victim.kv_len = min(victim.kv_len, keep * self.block_size)
-        victim.committed = min(victim.committed, keep)
-        victim.resumable = victim.chain is not None and len(victim.hashes) > keep
+        self._release(victim)
+        victim.kv_len, victim.committed = 0, 0
+        victim.resumable = victim.chain is not None and bool(victim.hashes)
         if victim.state is SeqState.DECODING:
             victim.move(SeqState.PREFILLING)
         self.preemptions += 1
         if self.metrics is not None:
             self.metrics.preempted(self.adapter.name)
-        self.log.info("generator.preempted", request_id=victim.request_id, kept_blocks=keep,
-                      tokens=len(victim.tokens))
+        self.log.info("generator.preempted", request_id=victim.request_id, tokens=len(victim.tokens))
         return victim
 
     async def _resume(self, seqs: list[Sequence]) -> None:
         """Preempted sequences about to be prefilled again get back, from the manager, the blocks
         of theirs still cached (committed before the preemption and not evicted since): their
-        prefill goes on after them. Each keeps at least its last token to compute (its logits)."""
+        prefill goes on after them. Each leaves at least its last token to compute (its logits)."""
         wants = []
         for seq in seqs:
             seq.resumable = False
@@ -103,17 +94,6 @@ class BlockGrants:
             self.resumed_blocks += len(blocks)
             self.log.info("generator.resumed", request_id=seq.request_id, blocks=len(blocks),
                           tokens=len(blocks) * self.block_size, kv_len=seq.kv_len, target_len=seq.target_len)
-
-    def _give_way(self) -> None:
-        """Nothing can run and nothing can be preempted: the blocks are held by sequences that kept
-        what they cannot recompute (images their cached prefix covered, whose encoder output they
-        never had). The newest of them fails with a retryable 503 so the others go on."""
-        holders = [s for s in self.seqs if s.state in LIVE and s.table]
-        if len(holders) > 1:
-            victim = newest(holders)
-            self._fail(victim, ServiceUnavailable("the KV cache is full of requests that cannot be preempted; "
-                                                  "retry shortly", retry_after_s=1.0), "kv cache")
-            self._prune()
 
     async def _allocate(self, plan: list[Planned]) -> Allocated | None:
         needs = tuple((p.seq.kv_owner, p.new_blocks) for p in plan if p.new_blocks)

@@ -55,13 +55,16 @@ class Generator(BlockGrants, Answers, Actor):
         self.config = config
         self.metrics = metrics
         self.seqs: list[Sequence] = []  # every live sequence, oldest first
-        self.max_positions = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 1 << 30)
+        # a sequence longer than the arena could never run again after a preemption: it ends there
+        self.max_positions = min(int(getattr(adapter.text_config, "max_position_embeddings", 0) or 1 << 30),
+                                 kv.num_blocks * self.block_size)
         self._image_token = torch.tensor([adapter.image_token_id])
         self._eos = torch.tensor(sorted(adapter.eos_token_ids), dtype=torch.long)
         self._orders = itertools.count()
         self.steps = 0
         self.preemptions = 0
         self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
+        self.reencoded_images = 0  # images preempted sequences encoded again (their cached KV was gone)
         self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
@@ -166,11 +169,11 @@ class Generator(BlockGrants, Answers, Actor):
             seq.handle.emit(finish)
         self._release(seq, finish=(seq.handle, finish) if later else None)
 
-    def _release(self, seq: Sequence, keep: int = 0, finish=None) -> None:
+    def _release(self, seq: Sequence, finish=None) -> None:
         if seq.registered or seq.table:
-            self.cache_manager.send_nowait(Release(seq.kv_owner, keep, finish))
-        seq.table = seq.table[:keep]
-        seq.registered = bool(keep)
+            self.cache_manager.send_nowait(Release(seq.kv_owner, finish))
+        seq.table = []
+        seq.registered = False
 
     def _prune(self) -> None:
         self.seqs = [s for s in self.seqs if s.state in LIVE]
@@ -240,6 +243,7 @@ class Generator(BlockGrants, Answers, Actor):
                     fault("generator.prefill", p.seq.label)
                 start, end = p.seq.kv_len, p.seq.kv_len + p.tokens
                 rope = self.adapter.rope_positions(p.seq.job.prompt, len(p.seq.ids), start, end)
+                self._encode_lost_images(p.seq, start, end)
                 pieces = self._image_rows(p.seq, start, end)
             except Exception as e:
                 results[i] = e
@@ -269,6 +273,18 @@ class Generator(BlockGrants, Answers, Actor):
             if results[i] is None:
                 results[i] = -1  # computed, no token due (a prefill chunk before the prompt's end)
         return results
+
+    def _encode_lost_images(self, seq: Sequence, start: int, end: int) -> None:
+        """Encodes again the images among tokens [start, end) that `seq` has no encoder output of:
+        its cached prefix covered them at admission, and a preemption since gave that KV back."""
+        lost = seq.images_to_encode(start, end)
+        if not lost:
+            return
+        prompt = seq.job.prompt
+        outputs = self.adapter.encode_images([prompt.pixels(self.adapter, i) for i in lost])
+        seq.with_embeds(dict(zip(lost, outputs)))
+        self.reencoded_images += len(lost)
+        self.log.info("generator.reencoded", request_id=seq.request_id, images=lost, kv_len=start)
 
     @staticmethod
     def _image_rows(seq: Sequence, start: int, end: int) -> list[tuple[int, torch.Tensor]]:

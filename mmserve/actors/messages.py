@@ -192,13 +192,11 @@ class Commit:
 
 @dataclass(frozen=True)
 class Release:
-    """The request holds no more than the first `keep` blocks of its table (0: none — it finished,
-    aborted or failed; more: it was preempted and keeps the blocks it cannot recompute). Its
-    committed blocks stay cached, evictable; no entry is touched. `finish`: the request's last
+    """The request holds none of its blocks any more (it finished, aborted, failed or was
+    preempted). Its committed blocks stay cached, evictable; no entry is touched. `finish`: the request's last
     event, which the manager delivers once the blocks it committed are in the shared tier."""
 
     request_id: str
-    keep: int = 0
     finish: tuple[RequestHandle, FinishEvent] | None = None
 
 

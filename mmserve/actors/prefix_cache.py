@@ -180,10 +180,8 @@ class PrefixCacheManager(Actor):
     def _resume(self, msg: Resume) -> None:
         tables = []
         for rid, hashes in msg.wants:
-            kept = len(self.arena.table(rid))
             blocks = self.arena.lookup(hashes, rid) if self.caching else []
-            self.log.info("prefix_cache.resume", request_id=rid, kept_blocks=kept, queried_blocks=len(hashes) - kept,
-                          hit_blocks=len(blocks))
+            self.log.info("prefix_cache.resume", request_id=rid, queried_blocks=len(hashes), hit_blocks=len(blocks))
             tables.append((rid, tuple(blocks)))
         if not _send(msg.reply, Resumed(tuple(tables), self.epoch)):
             for rid, blocks in tables:  # the generator stopped waiting: it never learned of them
@@ -230,11 +228,8 @@ class PrefixCacheManager(Actor):
                 self.shared.deliver_after_writes(handle, event)
             else:
                 handle.emit(event)
-        if msg.keep:
-            self.arena.truncate(msg.request_id, msg.keep)
-        else:
-            self.arena.free(msg.request_id)
-        self.log.info("prefix_cache.release", request_id=msg.request_id, kept=msg.keep)
+        self.arena.free(msg.request_id)
+        self.log.info("prefix_cache.release", request_id=msg.request_id)
         self._done(msg.request_id)
 
     # -- the shared tier (Redis) under the arena ------------------------------------------------------

@@ -4,7 +4,7 @@ table in the KV arena, and its tokens. The generator owns every Sequence alone."
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -113,9 +113,18 @@ class Sequence:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.tokens)
 
-    def unrecomputable_blocks(self, block_size: int) -> int:
-        """Blocks a preemption must keep: those holding an image whose encoder output this sequence
-        never had (its cached prefix covered the image whole), so it could not prefill it again."""
-        ends = [span.start + span.length for span, emb in zip(self.job.prompt.spans, self.job.image_embeds)
-                if emb is None]
-        return -(-max(ends) // block_size) if ends else 0
+    def images_to_encode(self, start: int, end: int) -> list[int]:
+        """Images among tokens [start, end) without an encoder output: those its cached prefix
+        covered whole at admission, whose KV a preemption (or an eviction before its resume) lost."""
+        embeds = self.job.image_embeds
+        return [i for i, span in enumerate(self.job.prompt.spans)
+                if span.start < end and start < span.start + span.length
+                and (i >= len(embeds) or embeds[i] is None)]
+
+    def with_embeds(self, outputs: dict[int, torch.Tensor]) -> None:
+        """Its job, with the encoder outputs of images `outputs` names added."""
+        spans = self.job.prompt.spans
+        embeds = [*self.job.image_embeds, *(None,) * (len(spans) - len(self.job.image_embeds))]
+        for i, out in outputs.items():
+            embeds[i] = out
+        self.job = replace(self.job, image_embeds=tuple(embeds))

@@ -126,10 +126,9 @@ class BlockArena:
     def lookup(self, hashes: Sequence[bytes], owner: Hashable) -> list[int]:
         """Blocks of the longest cached run of `hashes` after the owner's table, appended to it.
 
-        A new owner's table starts with them (a prefix hit); one that holds k blocks — a preempted
-        sequence that kept what it cannot recompute, which must be hashes[:k] — gets back what
-        is still cached of hashes[k:]. Each found block gets one more reference (an evictable
-        one leaves the LRU order); a miss changes no table.
+        A new owner's table starts with them (a prefix hit); one that holds k blocks, which must
+        be hashes[:k], gets what is still cached of hashes[k:]. Each found block gets one more
+        reference (an evictable one leaves the LRU order); a miss changes no table.
         """
         _check_hashes(hashes)
         held = len(self._tables.get(owner, ()))
@@ -233,8 +232,8 @@ class BlockArena:
         self.truncate(owner, 0)
 
     def truncate(self, owner: Hashable, keep: int) -> None:
-        """Drop the references of `owner`'s table after its first `keep` blocks (a preemption that
-        keeps what its sequence cannot recompute), as `free` does; `keep` 0 frees it all."""
+        """Drop the references of `owner`'s table after its first `keep` blocks (blocks given it
+        that it never learned of, taken back), as `free` does; `keep` 0 frees it all."""
         _check_count(keep)
         table = self._tables.get(owner)
         if not table or keep >= len(table):

@@ -1,0 +1,56 @@
+"""Preemption gives every block of the newest sequence back: it is prefilled again later from
+what is still cached, and images whose KV came from the cache (it never had their encoder output)
+are encoded again once that KV is gone. So whatever the arena holds, the oldest sequence always
+runs, no request is refused for want of blocks, and every answer equals its answer alone."""
+
+from __future__ import annotations
+
+import trio
+
+from mmserve import Runtime
+from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
+from tests.helpers import ask, assert_nothing_held
+
+BLOCKS = 12  # of 8 tokens: 96 tokens of KV; a demo prompt with one image is 29 tokens
+
+
+def small_arena(config):
+    return config.replace(kv_cache={"block_size": 8, "budget_bytes": BLOCKS * 16384})
+
+
+async def test_a_preempted_request_whose_image_kv_was_evicted_encodes_it_again(demo_config):
+    image = render_image("blue", "square", background="white", seed=41)
+    question = ask(image, Q_COLOR)
+    long_one = ask(render_image("green", "circle", background="white", seed=42), Q_SHAPE)
+    greedy = dict(temperature=0, max_tokens=30, min_tokens=30)
+    async with Runtime.open(small_arena(demo_config)) as rt:
+        generator = rt.registry.require("demo").generator
+        alone = await rt.chat_completion(question, **greedy)  # its prompt's blocks stay cached
+        answers = {}
+
+        async def ask_again():
+            # its cached prefix covers the image whole (no encoder output); both answers cannot fit
+            answers["again"] = await rt.chat_completion(question, **greedy)
+
+        async with trio.open_nursery() as nursery:
+            long_answer = rt.chat(long_one, temperature=0, max_tokens=60, min_tokens=60)
+            async for _ in long_answer:  # the long answer is decoding: the question comes after it
+                nursery.start_soon(ask_again)
+                break
+            async for _ in long_answer:
+                pass
+        assert answers["again"].text == alone.text
+        assert answers["again"].usage.cached_tokens >= 24
+        assert generator.preemptions >= 1 and generator.reencoded_images >= 1
+        await assert_nothing_held(rt)
+
+
+async def test_an_answer_longer_than_the_arena_ends_at_its_capacity(demo_config):
+    """Alone it could never be prefilled again after a preemption: it ends with "length" where
+    the arena is full, instead of waiting for blocks that cannot exist."""
+    async with Runtime.open(small_arena(demo_config)) as rt:
+        got = await rt.chat_completion(ask(render_image("red", "circle", seed=43)), temperature=0,
+                                       max_tokens=200, min_tokens=200)
+        assert got.choices[0].finish_reason == "length"
+        assert got.usage.prompt_tokens + got.usage.completion_tokens == BLOCKS * 8
+        await assert_nothing_held(rt)
