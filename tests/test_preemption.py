@@ -5,27 +5,30 @@ runs, no request is refused for want of blocks, and every answer equals its answ
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from mmserve import Runtime
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from tests.helpers import ask, assert_nothing_held
 
-BLOCKS = 12  # of 8 tokens: 96 tokens of KV; a demo prompt with one image is 29 tokens
+BLOCKS = 12  # of 8 tokens: 96 tokens of KV; a prompt with one 64x64 image is 29 (LLaVA) or 31 tokens
+BLOCK_BYTES = {"demo": 16384, "demo-qwen": 8192}
 
 
-def small_arena(config):
-    return config.replace(kv_cache={"block_size": 8, "budget_bytes": BLOCKS * 16384})
+def small_arena(config, model: str = "demo"):
+    return config.replace(kv_cache={"block_size": 8, "budget_bytes": BLOCKS * BLOCK_BYTES[model]})
 
 
-async def test_a_preempted_request_whose_image_kv_was_evicted_encodes_it_again(demo_config):
+@pytest.mark.parametrize("model", ["demo", "demo-qwen"])
+async def test_a_preempted_request_whose_image_kv_was_evicted_encodes_it_again(three_model_config, model):
     image = render_image("blue", "square", background="white", seed=41)
     question = ask(image, Q_COLOR)
     long_one = ask(render_image("green", "circle", background="white", seed=42), Q_SHAPE)
-    greedy = dict(temperature=0, max_tokens=30, min_tokens=30)
-    async with Runtime.open(small_arena(demo_config)) as rt:
-        generator = rt.registry.require("demo").generator
+    greedy = dict(model=model, temperature=0, max_tokens=30, min_tokens=30)
+    async with Runtime.open(small_arena(three_model_config, model)) as rt:
         alone = await rt.chat_completion(question, **greedy)  # its prompt's blocks stay cached
+        generator = rt.registry.require(model).generator
         answers = {}
 
         async def ask_again():
@@ -33,7 +36,7 @@ async def test_a_preempted_request_whose_image_kv_was_evicted_encodes_it_again(d
             answers["again"] = await rt.chat_completion(question, **greedy)
 
         async with trio.open_nursery() as nursery:
-            long_answer = rt.chat(long_one, temperature=0, max_tokens=60, min_tokens=60)
+            long_answer = rt.chat(long_one, model=model, temperature=0, max_tokens=60, min_tokens=60)
             async for _ in long_answer:  # the long answer is decoding: the question comes after it
                 nursery.start_soon(ask_again)
                 break
@@ -42,6 +45,8 @@ async def test_a_preempted_request_whose_image_kv_was_evicted_encodes_it_again(d
         assert answers["again"].text == alone.text
         assert answers["again"].usage.cached_tokens >= 24
         assert generator.preemptions >= 1 and generator.reencoded_images >= 1
+        assert rt.metrics.registry.get_sample_value("mmserve:reencoded_images_total", {"model_name": model}) \
+            == generator.reencoded_images
         await assert_nothing_held(rt)
 
 

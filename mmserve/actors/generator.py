@@ -284,6 +284,8 @@ class Generator(BlockGrants, Answers, Actor):
         outputs = self.adapter.encode_images([prompt.pixels(self.adapter, i) for i in lost])
         seq.with_embeds(dict(zip(lost, outputs)))
         self.reencoded_images += len(lost)
+        if self.metrics is not None:
+            self.metrics.reencoded_images(self.adapter.name, len(lost))
         self.log.info("generator.reencoded", request_id=seq.request_id, images=lost, kv_len=start)
 
     @staticmethod

@@ -41,6 +41,9 @@ class Metrics:
                                       label, registry=self.registry)
         self.preemptions = Counter("mmserve:num_preemptions", "Sequences preempted when the KV arena ran out "
                                    "of blocks (recomputed later).", label, registry=self.registry)
+        self.reencoded = Counter("mmserve:reencoded_images", "Images encoded again by preempted sequences "
+                                 "whose cached KV of them was evicted before they resumed.", label,
+                                 registry=self.registry)
 
     def attach(self, runtime: "Runtime") -> None:
         self.registry.register(_RuntimeCollector(runtime))
@@ -58,6 +61,9 @@ class Metrics:
 
     def preempted(self, model: str) -> None:
         self.preemptions.labels(model).inc()
+
+    def reencoded_images(self, model: str, images: int) -> None:
+        self.reencoded.labels(model).inc(images)
 
     def token_gap(self, model: str, seconds: float) -> None:
         self.itl.labels(model).observe(seconds)
