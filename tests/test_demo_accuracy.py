@@ -3,7 +3,6 @@ runtime's own path (data: URL decoding, intake, encoder, generator), both models
 
 from collections import defaultdict
 
-import pytest
 import trio
 
 from mmserve import Runtime

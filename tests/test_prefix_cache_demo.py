@@ -1,7 +1,6 @@
 """Prefix-cache regressions on the trained demo model, where a cache bug shows as a wrong colour:
 DESIGN.md F2 (image placeholders must not collide) and F3 (slots, aborts and stale entries)."""
 
-import pytest
 import trio
 import trio.testing
 
@@ -46,7 +45,7 @@ async def test_f3_abort_and_block_reuse_never_corrupt(demo_config):
         pc = rt.registry.require("demo").prefix_cache
         assert pc.num_blocks == 4
         assert await complete(rt, a) == ("purple", 0)                      # A cached
-        async with rt.chat(ask(img_b), temperature=0, max_tokens=8) as s:    # B: gone before prefill ends
+        async with rt.chat(ask(img_b), temperature=0, max_tokens=8):         # B: gone before prefill ends
             pass
         await trio.testing.wait_all_tasks_blocked(cushion=0.02)
         c = [{"role": "user", "content": [*ask(img_c[0])[0]["content"], *ask(img_c[1], "What color is the first shape?")[0]["content"]]}]

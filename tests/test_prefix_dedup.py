@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mmserve import Runtime
 from mmserve.actors.messages import Allocate, Commit, KVEpoch, Lookup, Release
