@@ -69,3 +69,12 @@ async def test_a_prompt_on_a_block_boundary_shares_every_block_and_copies_none(d
         c = await rt.chat_completion(messages, temperature=0, max_tokens=5, min_tokens=5, n=2)
         assert [ch.text for ch in c.choices] == [one.text] * 2
         await assert_nothing_held(rt)
+
+
+async def test_choices_that_end_at_their_fork_leave_no_copy_source_pinned(demo_config):
+    """With one token each, the choices end where they are forked — before the step that would
+    copy the parent's partial block into theirs: the pinned copy sources are released at once,
+    not at some later step (an idle server holds no block)."""
+    out, _ = await run_all(tiny_arena(demo_config), [(question(0), dict(temperature=0, max_tokens=1, n=3))])
+    texts, reasons, _ = out[0]
+    assert len(texts) == 3 and len(set(texts)) == 1 and reasons == ["length"] * 3

@@ -176,7 +176,12 @@ class Generator(BlockGrants, Answers, Actor):
         seq.registered = False
 
     def _prune(self) -> None:
+        """Drops ended sequences, and the copy sources pinned for choices among them (a choice can
+        end at its fork, before the step that would have copied its block)."""
         self.seqs = [s for s in self.seqs if s.state in LIVE]
+        for c in [c for c in self._copies if c.child.state not in LIVE]:
+            self.cache_manager.send_nowait(Release(c.pin))
+            self._copies.remove(c)
 
     def _fail(self, seq: Sequence, exc: Exception, stage: str) -> None:
         """Ends `seq` alone because handling it raised; the other sequences go on."""
