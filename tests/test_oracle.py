@@ -4,7 +4,7 @@ Qwen2-VL, with images of different sizes and aspect ratios, so a Qwen2-VL image 
 tokens and shifts the M-RoPE positions after it by its grid) with random disconnects and a tiny
 cache budget that forces slot reuse and eviction — once with the conversations interleaved turn
 by turn, once with them running at the same time (batched decode, in-flight dedup, commits and
-evictions while other requests hold pins)."""
+evictions while other requests hold pins), and once with requests of n choices at once."""
 
 import threading
 from dataclasses import dataclass
@@ -124,6 +124,55 @@ def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
     join_all(threads, timeout=120)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a conversation never ended"
+    assert not mismatches, mismatches[:3]
+    trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
+
+
+@dataclass(frozen=True)
+class Ask:
+    model: str
+    image: int
+    question: str
+    n: int  # choices: each a sequence of its own over the one shared prefill
+    tokens: int  # max_tokens = min_tokens
+    disconnect_after: int | None
+
+
+asks = st.builds(Ask, st.sampled_from(MODELS), st.integers(0, len(IMAGES) - 1), st.sampled_from(SINGLE),
+                 st.integers(1, 3), st.integers(1, 40), st.one_of(st.none(), st.none(), st.integers(0, 3)))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(asks, min_size=2, max_size=8))
+def test_greedy_choices_equal_the_single_cache_off_answer_concurrently(runtimes, workload):
+    """Requests of n choices and of up to 40 tokens at once: forks, copied partial blocks,
+    preemptions, re-encoded images, disconnects — each greedy choice equals the single cache-off
+    answer, and nothing is held afterwards (no copy source, no block)."""
+    on, off = runtimes
+    mismatches, errors = [], []
+
+    def one(a: Ask) -> None:
+        messages = [{"role": "user", "content": [image_part(IMAGES[a.image]), {"type": "text", "text": a.question}]}]
+        kw = dict(model=a.model, temperature=0, max_tokens=a.tokens, min_tokens=a.tokens)
+        try:
+            expected = off.chat_completion(messages, **kw).text
+            if a.disconnect_after is not None:
+                for i, _ in enumerate(on.chat(messages, n=a.n, **kw)):
+                    if i >= a.disconnect_after:
+                        break
+                return
+            got = [c.text for c in on.chat_completion(messages, n=a.n, **kw).choices]
+            if got != [expected] * a.n:
+                mismatches.append((a, got, expected))
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append((a, e))
+
+    threads = [threading.Thread(target=one, args=(a,)) for a in workload]
+    for t in threads:
+        t.start()
+    join_all(threads, timeout=120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a request never ended"
     assert not mismatches, mismatches[:3]
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
 
