@@ -26,12 +26,17 @@ def image_part(img, fmt: str = "PNG") -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(img, fmt)}}
 
 
-def join_all(threads: list[threading.Thread], timeout: float) -> None:
-    """Waits for the threads, `timeout` seconds in all: a hang costs the suite that much once, not
-    once per thread."""
+def run_concurrently(target, args_list, timeout: float = 120) -> int:
+    """Calls target(*args) for every args of `args_list`, each in a thread of its own, at the same
+    time; returns how many are still running after `timeout` seconds in all (a hang costs the
+    suite that much once, not once per thread)."""
+    threads = [threading.Thread(target=target, args=args, daemon=True) for args in args_list]
+    for t in threads:
+        t.start()
     deadline = time.monotonic() + timeout
     for t in threads:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
+    return sum(t.is_alive() for t in threads)
 
 
 async def assert_nothing_held(rt) -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
-from tests.helpers import ask, colour_question
+from tests.helpers import ask, colour_question, run_concurrently
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +165,5 @@ def test_a_seed_gives_the_same_sample_alone_or_batched(client):
     def one(i):
         got[i] = client.chat.completions.create(**(body if i == 0 else {**body, "seed": i})).choices[0].message.content
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert not run_concurrently(one, [(i,) for i in range(4)], timeout=60)
     assert got[0] == alone

@@ -23,7 +23,7 @@ from mmserve import Runtime, SyncRuntime
 from mmserve.errors import InternalError, MMServeError
 from mmserve.models.demo import COLORS, Q_COLOR, SHAPES, render_image
 from mmserve.actors import faults
-from tests.helpers import ServerThread, ask, assert_nothing_held, colour_question, join_all
+from tests.helpers import ServerThread, ask, assert_nothing_held, colour_question, run_concurrently
 from tests.test_e2e_openai import HealthProbe
 
 FAILED = re.compile(r"request ([0-9a-f]{32}) failed in ")
@@ -215,12 +215,9 @@ def test_colliding_ids_faults_and_disconnects_never_cross_requests(runtimes, wor
         except MMServeError as e:
             outcomes[i] = e
 
-    threads = [threading.Thread(target=one, args=(i, *r)) for i, r in enumerate(requests)]
-    for t in threads:
-        t.start()
-    join_all(threads, timeout=120)
+    hung = run_concurrently(one, [(i, *r) for i, r in enumerate(requests)])
     faults.configure(None)
-    assert not any(t.is_alive() for t in threads), "a request never ended"
+    assert not hung, "a request never ended"
     for (label, model, image, leave), got in zip(requests, outcomes):
         if isinstance(got, MMServeError):  # only a request whose own label carries a fault fails
             assert faulted[label] and isinstance(got, InternalError) and FAILED.search(got.message), (label, got)

@@ -6,7 +6,6 @@ cache budget that forces slot reuse and eviction — once with the conversations
 by turn, once with them running at the same time (batched decode, in-flight dedup, commits and
 evictions while other requests hold pins), and once with requests of n choices at once."""
 
-import threading
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +15,7 @@ import trio
 
 from mmserve import SyncRuntime
 from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SECOND, Q_SHAPE, SHAPES, render_image
-from tests.helpers import assert_nothing_held, image_part, join_all
+from tests.helpers import assert_nothing_held, image_part, run_concurrently
 
 SIZES = [None, (112, 48), (40, 96), (128, 128), (72, 56), (32, 32), (120, 40)]  # None: the 64x64 default
 IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i, size=size)
@@ -118,12 +117,9 @@ def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
         except BaseException as e:  # reported below, in the test's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=converse, args=(c,)) for c in workload]
-    for t in threads:
-        t.start()
-    join_all(threads, timeout=120)
+    hung = run_concurrently(converse, [(c,) for c in workload])
     assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a conversation never ended"
+    assert not hung, "a conversation never ended"
     assert not mismatches, mismatches[:3]
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
 
@@ -167,12 +163,9 @@ def test_greedy_choices_equal_the_single_cache_off_answer_concurrently(runtimes,
         except BaseException as e:  # reported below, in the test's thread
             errors.append((a, e))
 
-    threads = [threading.Thread(target=one, args=(a,)) for a in workload]
-    for t in threads:
-        t.start()
-    join_all(threads, timeout=120)
+    hung = run_concurrently(one, [(a,) for a in workload])
     assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a request never ended"
+    assert not hung, "a request never ended"
     assert not mismatches, mismatches[:3]
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
 
@@ -197,10 +190,7 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
         model, m = convos[i]
         got[i] = on.chat_completion(m, model=model, temperature=0, max_tokens=8, min_tokens=8).text
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(convos))]
-    for t in threads:
-        t.start()
-    join_all(threads, timeout=120)
+    assert not run_concurrently(one, [(i,) for i in range(len(convos))]), "a request never ended"
     assert got == expected
     generators = [on.runtime.registry.require(n).generator for n in MODELS]
     assert sum(g.preemptions for g in generators) > before, "the arena was large enough: nothing was preempted"

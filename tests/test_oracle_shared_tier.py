@@ -6,7 +6,6 @@ every greedy answer equals the cache-off answer."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 import trio
 
 from mmserve import SyncRuntime
-from tests.helpers import assert_nothing_held, join_all
+from tests.helpers import assert_nothing_held, run_concurrently
 from tests.redis_server import RedisServer
 from tests.test_oracle import conversations, run_turn, user_message
 
@@ -51,12 +50,9 @@ def test_replicas_on_one_redis_answer_as_cache_off(replicas, workload):
         except BaseException as e:  # reported below, in the test's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=converse, args=w) for w in workload]
-    for t in threads:
-        t.start()
-    join_all(threads, timeout=120)
+    hung = run_concurrently(converse, workload)
     assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a conversation never ended"
+    assert not hung, "a conversation never ended"
     assert not mismatches, mismatches[:3]
     for rt in rts:
         trio.from_thread.run(assert_nothing_held, rt.runtime, trio_token=rt._token)
