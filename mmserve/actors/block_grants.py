@@ -40,7 +40,7 @@ class BlockGrants:
             if (stuck or not going) and self._preempt_newest(spare=None if stuck else oldest_refused):
                 plan = self._plan()
                 continue
-            return going  # the blocks are held outside this generator for now (pinned by lookups)
+            return going  # refused prefills wait (with no victim left, lookups pin the blocks for now)
         return []
 
     def _preempt_newest(self, spare: Sequence | None = None) -> Sequence | None:

@@ -193,8 +193,9 @@ class Commit:
 @dataclass(frozen=True)
 class Release:
     """The request holds none of its blocks any more (it finished, aborted, failed or was
-    preempted). Its committed blocks stay cached, evictable; no entry is touched. `finish`: the request's last
-    event, which the manager delivers once the blocks it committed are in the shared tier."""
+    preempted). Its committed blocks stay cached, evictable; no entry is touched. `finish`: the
+    request's last event, which the manager delivers once the blocks it committed are in the
+    shared tier."""
 
     request_id: str
     finish: tuple[RequestHandle, FinishEvent] | None = None

@@ -122,7 +122,7 @@ class Sequence:
                 and (i >= len(embeds) or embeds[i] is None)]
 
     def with_embeds(self, outputs: dict[int, torch.Tensor]) -> None:
-        """Its job, with the encoder outputs of images `outputs` names added."""
+        """Replaces its job by one with the encoder outputs `outputs` names (image index → output)."""
         spans = self.job.prompt.spans
         embeds = [*self.job.image_embeds, *(None,) * (len(spans) - len(self.job.image_embeds))]
         for i, out in outputs.items():
