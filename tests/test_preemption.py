@@ -9,6 +9,8 @@ import pytest
 import trio
 
 from mmserve import Runtime
+from mmserve.actors import faults
+from mmserve.errors import InternalError, MMServeError
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from tests.helpers import ask, assert_nothing_held
 
@@ -20,33 +22,64 @@ def small_arena(config, model: str = "demo"):
     return config.replace(kv_cache={"block_size": 8, "budget_bytes": BLOCKS * BLOCK_BYTES[model]})
 
 
+IMAGE = render_image("blue", "square", background="white", seed=41)
+QUESTION = ask(IMAGE, Q_COLOR)
+LONG = ask(render_image("green", "circle", background="white", seed=42), Q_SHAPE)
+
+
+async def ask_again_beside_a_long_answer(rt, model: str, **kw) -> dict:
+    """QUESTION, asked once its prompt's blocks are cached (so its prefix hit covers the image
+    whole and it gets no encoder output) while a long answer decodes: both cannot fit, it is the
+    newest, so it is preempted, and the long answer evicts its cached blocks before it resumes.
+    Returns {"again": its completion or error, "long": the long answer's text}."""
+    out = {}
+
+    async def again():
+        try:
+            out["again"] = await rt.chat_completion(QUESTION, model=model, temperature=0, max_tokens=30,
+                                                    min_tokens=30, **kw)
+        except MMServeError as e:
+            out["again"] = e
+
+    async with trio.open_nursery() as nursery:
+        long_answer = rt.chat(LONG, model=model, temperature=0, max_tokens=60, min_tokens=60)
+        texts = []
+        async for delta in long_answer:  # the long answer is decoding: the question comes after it
+            texts.append(delta.text)
+            nursery.start_soon(again)
+            break
+        texts += [delta.text async for delta in long_answer]
+    out["long"] = "".join(texts)
+    return out
+
+
 @pytest.mark.parametrize("model", ["demo", "demo-qwen"])
 async def test_a_preempted_request_whose_image_kv_was_evicted_encodes_it_again(three_model_config, model):
-    image = render_image("blue", "square", background="white", seed=41)
-    question = ask(image, Q_COLOR)
-    long_one = ask(render_image("green", "circle", background="white", seed=42), Q_SHAPE)
-    greedy = dict(model=model, temperature=0, max_tokens=30, min_tokens=30)
     async with Runtime.open(small_arena(three_model_config, model)) as rt:
-        alone = await rt.chat_completion(question, **greedy)  # its prompt's blocks stay cached
+        alone = await rt.chat_completion(QUESTION, model=model, temperature=0, max_tokens=30, min_tokens=30)
         generator = rt.registry.require(model).generator
-        answers = {}
-
-        async def ask_again():
-            # its cached prefix covers the image whole (no encoder output); both answers cannot fit
-            answers["again"] = await rt.chat_completion(question, **greedy)
-
-        async with trio.open_nursery() as nursery:
-            long_answer = rt.chat(long_one, model=model, temperature=0, max_tokens=60, min_tokens=60)
-            async for _ in long_answer:  # the long answer is decoding: the question comes after it
-                nursery.start_soon(ask_again)
-                break
-            async for _ in long_answer:
-                pass
-        assert answers["again"].text == alone.text
-        assert answers["again"].usage.cached_tokens >= 24
+        got = await ask_again_beside_a_long_answer(rt, model)
+        assert got["again"].text == alone.text
+        assert got["again"].usage.cached_tokens >= 24
         assert generator.preemptions >= 1 and generator.reencoded_images >= 1
         assert rt.metrics.registry.get_sample_value("mmserve:reencoded_images_total", {"model_name": model}) \
             == generator.reencoded_images
+        await assert_nothing_held(rt)
+
+
+async def test_a_failed_re_encoding_fails_that_request_alone(demo_config):
+    async with Runtime.open(demo_config) as plain:
+        long_alone = (await plain.chat_completion(LONG, temperature=0, max_tokens=60, min_tokens=60)).text
+    async with Runtime.open(small_arena(demo_config)) as rt:
+        await rt.chat_completion(QUESTION, temperature=0, max_tokens=30, min_tokens=30)
+        faults.configure("generator.reencode[again]=raise")
+        try:
+            got = await ask_again_beside_a_long_answer(rt, "demo", client_request_id="again")
+        finally:
+            faults.configure(None)
+        assert isinstance(got["again"], InternalError) and got["again"].status == 500
+        assert got["long"] == long_alone
+        assert rt.health().ok and not any(s.restarts for s in rt.supervisor.states.values())
         await assert_nothing_held(rt)
 
 

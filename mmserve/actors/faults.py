@@ -32,6 +32,7 @@ POINTS = {
     "prefix.commit": "prefix cache: committing one request's blocks",
     "generator.hash": "generator: keying one sequence's newly filled blocks",
     "generator.prefill": "generator: one sequence's prefill chunk (its embeddings for the step)",
+    "generator.reencode": "generator: encoding again the images a preempted sequence lost (only after a preemption)",
     "generator.sample": "generator: sampling one sequence's next token",
     "generator.detokenize": "generator: detokenizing and stop matching one sequence's token",
     "generator.step": "generator: the step's batched forward (actor-wide: restarts the generator)",

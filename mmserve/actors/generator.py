@@ -285,6 +285,7 @@ class Generator(BlockGrants, Answers, Actor):
         lost = seq.images_to_encode(start, end)
         if not lost:
             return
+        fault("generator.reencode", seq.label)
         prompt = seq.job.prompt
         outputs = self.adapter.encode_images([prompt.pixels(self.adapter, i) for i in lost])
         seq.with_embeds(dict(zip(lost, outputs)))
