@@ -28,8 +28,9 @@ from tests.test_e2e_openai import HealthProbe
 
 FAILED = re.compile(r"request ([0-9a-f]{32}) failed in ")
 # every per-request fault point (generator.step, the batched forward, is the actor's own)
+PER_REQUEST_POINTS = [p for p in faults.POINTS if p != "generator.step"]
 # the points every request passes (a re-encode happens only after a preemption: test_preemption.py)
-REQUEST_POINTS = [p for p in faults.POINTS if p not in ("generator.step", "generator.reencode")]
+REQUEST_POINTS = [p for p in PER_REQUEST_POINTS if p != "generator.reencode"]
 
 
 @pytest.fixture(autouse=True)
@@ -168,7 +169,7 @@ LABELS = ["a", "b", "c"]
 
 @st.composite
 def workloads(draw):
-    faulted = {label: draw(st.one_of(st.none(), st.sampled_from(REQUEST_POINTS))) for label in LABELS}
+    faulted = {label: draw(st.one_of(st.none(), st.sampled_from(PER_REQUEST_POINTS))) for label in LABELS}
     requests = []
     for i in range(draw(st.integers(3, 8))):
         label = draw(st.sampled_from(LABELS))
