@@ -279,3 +279,120 @@ async def test_a_slow_chain_read_keeps_the_blocks_that_arrived_in_time(demo_conf
     assert got == expected
     assert cached == block  # one block arrived in time (60 ms); the second would have come at 120 ms
     assert t.stats()["late"] >= 1
+
+
+class SlowHandshakeProxy:
+    """A TCP proxy in front of Redis that holds every new connection `delay_s` before it reaches
+    Redis (a far Redis, a TLS handshake): round trips on a connection already open are not slowed."""
+
+    def __init__(self, upstream_port: int, delay_s: float):
+        import socket
+
+        self.upstream_port, self.delay_s = upstream_port, delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client) -> None:
+        import socket
+
+        time.sleep(self.delay_s)
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        except OSError:
+            client.close()
+            return
+        for src, dst in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+
+async def test_a_fresh_replicas_first_lookup_hits(demo_config, redis_server, redis_url):
+    """Opening a connection to Redis takes 400 ms here, a look-up may take 250: replica B, fresh,
+    answers the conversation's second turn — its very first look-up — from the blocks A wrote,
+    because the tier opened its connections when the model loaded, not at that look-up."""
+    proxy = SlowHandshakeProxy(redis_server.port, 0.4)
+    try:
+        config = tier_config(demo_config, proxy.url, lookup_deadline_ms=250.0)
+        async with Runtime.open(config) as a, Runtime.open(config) as b:
+            msgs, later = conversation()
+            first, _ = await answer(a, msgs)
+            await settle(a)  # turn 1's blocks are in Redis
+            assert tier(b).stats()["block_queries"] == 0  # B has looked nothing up yet
+            text, cached = await answer(b, turn(msgs, first, later[0]))
+            assert text == "white"
+            assert cached > 0, tier(b).stats()
+            assert tier(b).stats()["late"] == 0 and tier(b).stats()["block_hits"] > 0
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("redis_is", ["absent", "silent"])
+async def test_a_redis_down_at_start_leaves_the_model_serving(demo_config, tmp_path, redis_is):
+    """Connecting at start never keeps the model from loading: with nothing on the port (refused
+    at once) or a port that accepts and never answers (bounded by the socket timeout), the model
+    loads and answers, the tier is off, and it comes on once a Redis answers there."""
+    import socket
+
+    from tests.redis_server import free_port
+
+    port, silent = free_port(), None
+    if redis_is == "silent":
+        silent = socket.create_server(("127.0.0.1", port))  # the kernel completes connects; nothing replies
+    config = tier_config(demo_config, f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.3)
+    server = RedisServer(tmp_path / "redis", port)
+    try:
+        t0 = time.monotonic()
+        async with Runtime.open(config) as rt:
+            assert time.monotonic() - t0 < 5
+            stats = tier(rt).stats()
+            assert stats["state"] == "off" and stats["outages"] == 1, stats
+            assert rt.health().to_json()["status"] == "ok"
+            text, _ = await answer(rt, ask(BLUE, Q_SHAPE))
+            assert text == "square"
+            if silent is not None:
+                silent.close()
+            server.start()
+            with trio.fail_after(10):  # probed back on, as after any outage
+                while tier(rt).stats()["state"] != "on":
+                    tier(rt).active()
+                    await trio.sleep(0.05)
+            await answer(rt, ask(RED, Q_SHAPE))
+            await settle(rt)
+            assert server.client().dbsize() > 0
+    finally:
+        server.kill()
+        if silent is not None:
+            silent.close()

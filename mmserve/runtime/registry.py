@@ -131,6 +131,8 @@ class ModelRegistry:
             model = LoadedModel(mc, adapter, actors)
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
+            if (tier := model.actors.get("shared_tier")) is not None:
+                await tier.connect()  # bounded; a Redis that is down leaves the tier off, the model serving
             self.loaded[mc.name] = model
             self._failed.discard(mc.name)
             self._warn_if_unbounded(adapter)
