@@ -26,7 +26,7 @@ from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, Overloaded, ServiceUnavailable
 from mmserve.inputs.request import ChatRequest, parse_chat_request
-from mmserve.logs import get_logger
+from mmserve.logs import get_logger, use_default_logging
 from mmserve.models.paged import KVArena
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
@@ -67,10 +67,15 @@ class Runtime:
     async def open(cls, config: Config | str | None = None) -> AsyncIterator["Runtime"]:
         """Loads the configured models, starts the actors, and yields the running Runtime.
 
+        Logs go through the standard `logging` module (logger `mmserve`): a host program's logging
+        configuration governs them; without one, `[logging]` applies and they go to stderr
+        (`mmserve.logs.use_default_logging`), never to stdout.
+
         Leaving the block drains: nothing new is admitted, requests in flight get up to
         `[server] shutdown_grace_s` to finish, and the rest end with a 503 `shutdown` error."""
         if not isinstance(config, Config):
             config = load_config(config)
+        use_default_logging(config.logging.format, config.logging.level)
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
             compute.configure(config.runtime.torch_threads)
