@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import torch
@@ -36,6 +37,10 @@ from mmserve.runtime.supervisor import Health, Supervisor
 __all__ = ["CACHE_KINDS", "ChatCompletion", "ChatStream", "Delta", "Runtime", "complete", "new_request_id"]
 
 CACHE_KINDS = ("encoder", "prefix")  # what POST /admin/cache/reset can empty
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+"""The packaged default configuration, `Runtime.open()`'s: the three demo models, `demo` the
+default. A copy of the repository's `config.toml`, byte for byte (tests/test_default_config.py)."""
 
 
 def configure_device(device: str) -> None:
@@ -64,9 +69,11 @@ class Runtime:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: Config | str | None = None) -> AsyncIterator["Runtime"]:
+    async def open(cls, config: Config | str | Path | None = None) -> AsyncIterator["Runtime"]:
         """Loads the configured models, starts the actors, and yields the running Runtime.
 
+        `config`: a Config, a path to a TOML file, or None for the packaged default
+        (`DEFAULT_CONFIG`: the demo models, whatever the working directory).
         Logs go through the standard `logging` module (logger `mmserve`): a host program's logging
         configuration governs them; without one, `[logging]` applies and they go to stderr
         (`mmserve.logs.use_default_logging`), never to stdout.
@@ -74,7 +81,7 @@ class Runtime:
         Leaving the block drains: nothing new is admitted, requests in flight get up to
         `[server] shutdown_grace_s` to finish, and the rest end with a 503 `shutdown` error."""
         if not isinstance(config, Config):
-            config = load_config(config)
+            config = load_config(DEFAULT_CONFIG if config is None else config)
         use_default_logging(config.logging.format, config.logging.level)
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)

@@ -1,17 +1,19 @@
 """SyncRuntime: the embedded Runtime for programs that are not trio.
 
-    with mmserve.SyncRuntime(config) as rt:
+    with mmserve.SyncRuntime() as rt:          # or SyncRuntime("my.toml"), SyncRuntime(Config(...))
         print(rt.chat_completion(messages, temperature=0).text)
         for delta in rt.chat(messages):
             print(delta.text, end="")
 
 The runtime runs in a background thread with its own trio loop; calls cross over with
-`trio.from_thread`.
+`trio.from_thread`. `config` is as for `Runtime.open`: None is the packaged default config, and
+logs go through the standard `logging` module (logger `mmserve`), never to stdout.
 """
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 import trio
@@ -21,7 +23,7 @@ from mmserve.runtime.runtime import ChatCompletion, Delta, Runtime
 
 
 class SyncRuntime:
-    def __init__(self, config: Config | str | None = None):
+    def __init__(self, config: Config | str | Path | None = None):
         self._config = config
         self._rt: Runtime | None = None
         self._token: trio.lowlevel.TrioToken | None = None
