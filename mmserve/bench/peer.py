@@ -31,6 +31,7 @@ import httpx
 import trio
 
 from mmserve.bench.common import Timing, timed_sse
+from mmserve.bench.processes import die_with_parent
 
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 15
@@ -98,7 +99,8 @@ async def serve(model_dir: Path, threads: int, workdir: Path) -> AsyncIterator[s
     log = workdir / LOG
     with log.open("w") as log_file:
         proc = subprocess.Popen(command(Path(model_dir).resolve()), stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=subprocess.STDOUT, env=environment(threads), start_new_session=True)
+                                stderr=subprocess.STDOUT, env=environment(threads), start_new_session=True,
+                                preexec_fn=die_with_parent(signal.SIGTERM))  # if the benchmark is SIGKILLed
     try:
         yield await _ready(proc, log)
     finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -42,13 +44,28 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
         with tqdm(total=len(params.scenarios), desc="bench", unit="scenario", disable=not progress) as bar:
             bench = Bench(params, model_dir, out, note=bar.set_postfix_str)
             meta.update(_family_meta(bench))
-            results = trio.run(_run_scenarios, bench, bar)
+            results = _trio_run(_run_scenarios, bench, bar)
         meta.update(duration_s=time.perf_counter() - start, loadavg_end=_loadavg(),
                     thread_probe_end=thread_probe(params.torch_threads))
     summary = [r for res in results.values() for r in res.pop("rows", [])]
     report = {"meta": meta, "summary": summary, "scenarios": results}
     report["paths"] = {k: str(v) for k, v in write_reports(report, out).items()}
     return report
+
+
+def _trio_run(fn, *args):
+    """`trio.run`, with a Ctrl-C raised as a plain KeyboardInterrupt: by the time it leaves
+    `trio.run` every scenario has stopped what it started, and nurseries have wrapped it in groups."""
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        if group.split(KeyboardInterrupt)[0] is not None:
+            raise KeyboardInterrupt from group
+        raise
+
+
+def _leaves(e: BaseException) -> list[BaseException]:
+    return [x for sub in e.exceptions for x in _leaves(sub)] if isinstance(e, BaseExceptionGroup) else [e]
 
 
 @contextmanager
@@ -69,12 +86,29 @@ def _quiet_process_settings(threads: int):
 
 
 async def _run_scenarios(bench: Bench, bar: tqdm) -> dict:
-    results = {}
-    for name in bench.params.scenarios:
-        bar.set_description(name)
-        results[name] = await _run_one(name, bench)
-        bar.update(1)
+    """The scenarios in order. SIGTERM cancels them (each stops the processes it started, in its
+    `finally`), then ends the benchmark with SystemExit(143), no report written: the default action,
+    ending the process at once, would leave its servers and its Redis running."""
+    results, terminated = {}, []
+    async with trio.open_nursery() as nursery:
+        if threading.current_thread() is threading.main_thread():  # trio's signal handling needs it
+            nursery.start_soon(_cancel_on_sigterm, nursery.cancel_scope, terminated)
+        for name in bench.params.scenarios:
+            bar.set_description(name)
+            results[name] = await _run_one(name, bench)
+            bar.update(1)
+        nursery.cancel_scope.cancel()  # the SIGTERM watcher
+    if terminated:
+        raise SystemExit(128 + signal.SIGTERM)
     return results
+
+
+async def _cancel_on_sigterm(scope: trio.CancelScope, terminated: list) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            terminated.append(True)
+            scope.cancel()
+            return
 
 
 async def _run_one(name: str, bench: Bench) -> dict:
@@ -85,8 +119,9 @@ async def _run_one(name: str, bench: Bench) -> dict:
         result.setdefault("status", "ok")
     except Exception as e:
         traceback.print_exc()
-        result = {"status": "error", "error": f"{type(e).__name__}: {e}",
-                  "rows": [{"scenario": name, "metric": "error", "value": f"{type(e).__name__}: {e}", "unit": "",
+        error = "; ".join(f"{type(x).__name__}: {x}" for x in _leaves(e))  # not "Exceptions from Trio nursery"
+        result = {"status": "error", "error": error,
+                  "rows": [{"scenario": name, "metric": "error", "value": error, "unit": "",
                             "baseline": None, "ratio": None, "target": None, "ok": False}]}
     result["duration_s"] = time.perf_counter() - t0
     return result

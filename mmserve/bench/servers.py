@@ -20,10 +20,12 @@ from typing import AsyncIterator
 import trio
 
 from mmserve.bench.common import MODEL
+from mmserve.bench.processes import die_with_parent, stop
 from mmserve.config import Config, ModelConfig
 from mmserve.runtime.runtime import Runtime
 
 START_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 30
 
 
 def bench_config(model_dir: Path, threads: int, prefix: bool = True, encoder: bool = True, *,
@@ -83,23 +85,21 @@ async def inprocess_server(config: Config) -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def subprocess_server(config: Config, workdir: Path) -> AsyncIterator[str]:
-    """`mmserve serve` in its own process; its log goes to `workdir/server-*.log`. Yields its URL."""
+    """`mmserve serve` in its own process; its log goes to `workdir/server-*.log`. Yields its URL.
+    The process is stopped and waited for on every way out (see `mmserve.bench.processes`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     tag = f"p{int(config.kv_cache.prefix_caching)}e{int(config.encoder_cache.enabled)}"
     cfg, log = workdir / f"server-{tag}.toml", workdir / f"server-{tag}.log"
     cfg.write_text(config_toml(config))
     with log.open("w") as log_file:
+        # SIGTERM if this process dies without its finally (SIGKILL): the server drains and exits
         proc = subprocess.Popen([sys.executable, "-m", "mmserve.bench.servers", str(cfg)],
-                                stdout=subprocess.DEVNULL, stderr=log_file, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=die_with_parent(signal.SIGTERM))
     try:
         yield await _listening_url(proc, log)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            await trio.to_thread.run_sync(proc.wait, 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    finally:  # also when cancelled: shielded, SIGINT, STOP_TIMEOUT_S, then SIGKILL; always waited for
+        await stop(proc, signal.SIGINT, STOP_TIMEOUT_S)
 
 
 async def _listening_url(proc: subprocess.Popen, log: Path) -> str:

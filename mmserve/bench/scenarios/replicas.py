@@ -63,9 +63,8 @@ async def replicas(b: Bench) -> dict:
         return {"status": "skipped", "reason": reason,
                 "rows": [row("7 replicas", "skipped", reason, "", target=None, ok=None)]}
     p = b.params
-    redis = RedisServer(b.workdir / "redis")
-    await trio.to_thread.run_sync(redis.start)  # its readiness poll blocks: not on the event loop
-    with redis:
+    # one owner, started once, stopped on every way out (the readiness poll runs in a worker thread)
+    async with RedisServer(b.workdir / "redis") as redis:
         tier, plain = b.config().replace(shared_cache={"url": redis.url}), b.config()
         async with _server(b, tier, "tier-a") as ta, _server(b, tier, "tier-b") as tb, \
                 _server(b, plain, "plain-a") as pa, _server(b, plain, "plain-b") as pb:
