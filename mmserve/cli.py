@@ -16,6 +16,7 @@ from mmserve.logs import configure_logging, get_logger
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import serve
     from mmserve.config import load_config, with_models
+    from mmserve.models.loading import check_checkpoint
 
     try:
         config = load_config(args.config)
@@ -23,7 +24,9 @@ def _serve(args: argparse.Namespace) -> int:
             config = with_models(config, args.model)
         server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         config = config.replace(server=server) if server else config
-    except (OSError, ValueError) as err:  # a config error is the operator's: one line, no traceback
+        for model in config.models:  # every model, loaded at start or on demand: found now, not at its first request
+            check_checkpoint(model.name, model.resolved_path())
+    except (OSError, ValueError) as err:  # the operator's error (CheckpointError is a ValueError): one line, no traceback
         print(f"mmserve serve: {err}", file=sys.stderr)
         return 1
     configure_logging(args.log_format or config.logging.format, args.log_level or config.logging.level)
@@ -180,15 +183,21 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mmserve.config.checks import known_builtins
+    from mmserve.models.loading import FAMILIES
+
     p = argparse.ArgumentParser(prog="mmserve", description="Serve multimodal language models.")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve the configured models over an OpenAI-compatible HTTP API")
     s.add_argument("--config", help="path to config.toml (default: built-in defaults, the demo model)")
-    s.add_argument("--host")
-    s.add_argument("--port", type=int, help="0 picks a free port (the chosen address is logged)")
-    s.add_argument("--model", action="append", help="serve only this model (repeatable); a name from the config, "
-                   "a checkpoint directory, or demo / demo-wide")
+    s.add_argument("--host", help="the address to listen on (default: [server] host, 127.0.0.1); 0.0.0.0 only "
+                   "behind a trusted network")
+    s.add_argument("--port", type=int, help="the port to listen on (default: [server] port, 8000); 0 picks a free "
+                   "port (the chosen address is logged as http.listening)")
+    s.add_argument("--model", action="append", help="serve only this model (repeatable; the first is the default): "
+                   f"a name from the config, a checkpoint directory (model_type {' or '.join(FAMILIES)}), or a "
+                   f"built-in demo: {', '.join(known_builtins())}")
     s.add_argument("--log-format", choices=["json", "console"])
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=_serve)
@@ -202,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-model", help="build a random-weight LLaVA or Qwen2-VL checkpoint of a preset shape")
     m.add_argument("--preset", default="bench", help="LLaVA: tiny | demo | demo-wide | bench | llava-7b (~14 GB, "
                    "bfloat16); Qwen2-VL: tiny-qwen | demo-qwen | bench-qwen | qwen2-vl-7b (~15 GB, bfloat16)")
-    m.add_argument("--out", required=True)
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out", required=True, help="the directory to write the checkpoint into (created if missing); "
+                   "serve it with `mmserve serve --model DIR`")
+    m.add_argument("--seed", type=int, default=0, help="the seed of the random weights (default: 0); a seed always "
+                   "gives the same weights")
     m.add_argument("--random-weights", action="store_true", help="write no weight file: config, processor, "
                    "tokenizer and a marker (mmserve-random-weights.json: seed, dtype, silenced tokens); mmserve "
                    "draws the weights from the seed when it loads the directory, directly on its device "

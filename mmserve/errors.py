@@ -154,3 +154,30 @@ class ServiceUnavailable(MMServeError):
     def __init__(self, message: str, *, retry_after_s: float | None = None, **kw):
         super().__init__(message, **kw)
         self.retry_after_s = retry_after_s  # sent as Retry-After when known
+
+
+# -- starting: a model that cannot be served, an address that cannot be listened on ---------------
+
+
+class CheckpointError(ServiceUnavailable, ValueError):
+    """A model's directory cannot be served: it is not a checkpoint, or its `model_type` is not one
+    mmserve serves. It stops `mmserve serve` and `Runtime.open` (for a model loaded at start) with
+    this one message; a request that loads the model on demand gets it as a 503. Also a ValueError:
+    what `load_adapter` raised for an unknown family before this type existed."""
+
+    code = "model_not_servable"
+
+
+class NotACheckpoint(CheckpointError):
+    """The directory has no readable `config.json` naming a `model_type`."""
+
+
+class UnsupportedModelType(CheckpointError):
+    """The checkpoint's `model_type` is not one of the families mmserve has an adapter for."""
+
+
+class CannotListen(MMServeError):
+    """The server cannot bind its address (in use, not this machine's, not permitted). Raised
+    before any model loads; never an HTTP answer (there is no server to answer)."""
+
+    code = "cannot_listen"

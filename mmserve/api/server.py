@@ -7,6 +7,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from mmserve.api.app import create_app
+from mmserve.api.listening import bind, fd_binds
 from mmserve.logs import get_logger
 from mmserve.config import Config
 from mmserve.runtime.runtime import Runtime
@@ -22,33 +23,42 @@ async def serve(config: Config, *, shutdown: trio.Event | None = None, on_runtim
     `http://127.0.0.1:54321`), so a caller binding port 0 learns the real port. `on_runtime(rt)`
     is called with the running Runtime before the socket opens (for embedding programs and tests
     that inspect it).
+
+    The address is bound first: one that cannot be had (in use, not this machine's) raises
+    CannotListen before any model loads.
     """
     log = get_logger("http")
-    async with Runtime.open(config) as rt:
-        if on_runtime is not None:
-            on_runtime(rt)
-        hc = HypercornConfig()
-        hc.bind = [f"{config.server.host}:{config.server.port}"]
-        hc.accesslog = None
-        hc.errorlog = None
-        hc.keep_alive_timeout = config.server.keep_alive_timeout_s
-        app = _close_safely(create_app(rt))
-        hc.graceful_timeout = 5.0  # after the drain only idle keep-alive connections are left
-        closed = trio.Event()
+    hc = HypercornConfig()
+    hc.bind = [f"{config.server.host}:{config.server.port}"]
+    hc.accesslog = None
+    hc.errorlog = None
+    hc.keep_alive_timeout = config.server.keep_alive_timeout_s
+    hc.graceful_timeout = 5.0  # after the drain only idle keep-alive connections are left
+    sockets = bind(hc, config.server.host, config.server.port)  # CannotListen before any model loads
+    try:
+        async with Runtime.open(config) as rt:
+            if on_runtime is not None:
+                on_runtime(rt)
+            app = _close_safely(create_app(rt))
+            closed = trio.Event()
 
-        async def drain_then_close() -> None:
-            await shutdown.wait()
-            await rt.drain()
-            closed.set()
+            async def drain_then_close() -> None:
+                await shutdown.wait()
+                await rt.drain()
+                closed.set()
 
-        async with trio.open_nursery() as nursery:
-            if shutdown is not None:
-                nursery.start_soon(drain_then_close)
-            binds = await nursery.start(lambda task_status: hypercorn_serve(
-                app, hc, shutdown_trigger=closed.wait if shutdown is not None else None,
-                task_status=task_status, mode="asgi"))
-            log.info("http.listening", urls=binds, models=rt.registry.names())
-            task_status.started(binds)
+            async with trio.open_nursery() as nursery:
+                if shutdown is not None:
+                    nursery.start_soon(drain_then_close)
+                hc.bind = fd_binds(sockets)
+                binds = await nursery.start(lambda task_status: hypercorn_serve(
+                    app, hc, shutdown_trigger=closed.wait if shutdown is not None else None,
+                    task_status=task_status, mode="asgi"))
+                log.info("http.listening", urls=binds, models=rt.registry.names())
+                task_status.started(binds)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _close_safely(app):

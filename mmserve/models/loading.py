@@ -1,14 +1,26 @@
-"""Which adapter a checkpoint needs: the family named by its `config.json` `model_type`."""
+"""Which adapter a checkpoint needs: the family named by its `config.json` `model_type`.
+
+`check_checkpoint` reads only that file (no torch, no transformers), so `mmserve serve` can refuse
+a directory that is not a servable checkpoint in one line before it starts anything."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mmserve.models.adapter import Adapter
+from mmserve.errors import NotACheckpoint, UnsupportedModelType
+
+if TYPE_CHECKING:
+    from mmserve.models.adapter import Adapter
 
 FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL"}
 """model_type -> family name, for every family mmserve serves."""
+
+
+def served_model_types() -> str:
+    """`llava (LLaVA), qwen2_vl (Qwen2-VL)`: for messages and help texts."""
+    return ", ".join(f"{kind} ({family})" for kind, family in FAMILIES.items())
 
 
 def model_type(path: str | Path) -> str | None:
@@ -16,20 +28,40 @@ def model_type(path: str | Path) -> str | None:
     config = Path(path) / "config.json"
     try:
         return json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return None
+
+
+def check_checkpoint(name: str, path: str | Path) -> str:
+    """The `model_type` of the checkpoint at `path`, one that mmserve serves; NotACheckpoint or
+    UnsupportedModelType, saying what is wrong and what is served, otherwise."""
+    path = Path(path)
+    served = f"mmserve serves model_type {served_model_types()}"
+    if not path.is_dir():
+        raise NotACheckpoint(f"model {name!r}: the checkpoint directory {path} does not exist")
+    config = path / "config.json"
+    if not config.is_file():
+        raise NotACheckpoint(f"model {name!r}: {path} is not a checkpoint: it has no config.json "
+                             f"(a directory written by save_pretrained has it; {served})")
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise NotACheckpoint(f"model {name!r}: {config} cannot be read as JSON ({e})") from None
+    kind = settings.get("model_type") if isinstance(settings, dict) else None
+    if not isinstance(kind, str) or not kind:
+        raise NotACheckpoint(f"model {name!r}: {config} names no model_type, so the model's family is "
+                             f"unknown ({served})")
+    if kind not in FAMILIES:
+        raise UnsupportedModelType(f"model {name!r}: model_type {kind!r} is not served by mmserve "
+                                   f"({config}); {served}")
+    return kind
 
 
 def load_adapter(name: str, path: str | Path, device: str = "cpu", dtype: str = "float32", *,
                  hash_algorithm: str = "xxh3_128") -> Adapter:
     """Loads the checkpoint at `path` with its family's adapter."""
-    kind = model_type(path)
-    if kind == "qwen2_vl":
+    if check_checkpoint(name, path) == "qwen2_vl":
         from mmserve.models.qwen2_vl import Qwen2VLAdapter as cls
-    elif kind == "llava" or kind is None:  # None: the LLaVA loader says what is missing
-        from mmserve.models.llava import LlavaAdapter as cls
     else:
-        supported = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
-        raise ValueError(f"model {name!r}: checkpoint model_type {kind!r} is not served by mmserve; "
-                         f"supported: {supported}")
+        from mmserve.models.llava import LlavaAdapter as cls
     return cls(name, path, device=device, dtype=dtype, hash_algorithm=hash_algorithm)

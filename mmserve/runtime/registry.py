@@ -16,7 +16,7 @@ from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.actors.shared_tier import attach_shared_tier
-from mmserve.errors import MMServeError, ModelNotFound, ServiceUnavailable, clip
+from mmserve.errors import CheckpointError, MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.adapter import Adapter
 from mmserve.models.loading import load_adapter
@@ -138,6 +138,10 @@ class ModelRegistry:
             self._warn_if_unbounded(adapter)
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
                           load_s=round(time.monotonic() - t0, 3))
+        except CheckpointError as e:  # its message says it all: no traceback to log
+            self._failed.add(mc.name)
+            self.log.error("registry.load_failed", model=mc.name, path=str(mc.resolved_path()), error=e.message)
+            raise
         except MMServeError:
             raise
         except Exception as e:  # any loader error (a corrupt file, a bad config): the model's, not the caller's
