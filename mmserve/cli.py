@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "decode, concurrency, multiturn, same_image, three_images, peer, replicas, structured (default: all)")
     b.set_defaults(func=_bench)
     tr = sub.add_parser("trace", help="one request's timeline across actors, from a JSON log")
-    tr.add_argument("request_id", help="the internal request id, or a client's X-Request-Id (all its requests)")
+    tr.add_argument("request_id", help="the completion's id as the API returns it (chatcmpl-...), the internal "
+                    "request id, or a client's X-Request-Id (all its requests)")
     tr.add_argument("--log", default="-", help="the JSON log file, or - for standard input (default)")
     tr.add_argument("--json", action="store_true", help="machine-readable output")
     tr.set_defaults(func=_trace)

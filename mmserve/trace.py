@@ -1,5 +1,6 @@
 """`mmserve trace ID`: a request's timeline across actors, rebuilt from the JSON log. ID is the
-internal request id or the client's X-Request-Id (every request sent with that label is shown)."""
+completion's id as the API returns it (`chatcmpl-…`), the internal request id it is made of, or the
+client's X-Request-Id (every request sent with that label is shown)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from datetime import datetime
 from typing import Iterable, Iterator, TextIO
 
 _SKIP = {"event", "timestamp", "level", "request_ids", "actor", "model"}
+COMPLETION_ID_PREFIX = "chatcmpl-"
+"""A completion's id is this prefix and the internal request id the log names (`ChatStream.id`)."""
 
 
 def _events(lines: Iterable[str]) -> Iterator[dict]:
@@ -23,12 +26,12 @@ def _events(lines: Iterable[str]) -> Iterator[dict]:
 
 
 def request_events(lines: Iterable[str], request_id: str) -> list[dict]:
-    """The events of the request(s) `request_id` names — an internal id, or a client's
-    `X-Request-Id` label, which may name several requests — with the batched steps that list
-    them, in time order."""
+    """The events of the request(s) `request_id` names — a completion id (`chatcmpl-…`), an
+    internal id, or a client's `X-Request-Id` label, which may name several requests — with the
+    batched steps that list them, in time order."""
     events = list(_events(lines))
-    ids = {request_id} | {e["request_id"] for e in events
-                          if e.get("client_request_id") == request_id and e.get("request_id")}
+    ids = {request_id, request_id.removeprefix(COMPLETION_ID_PREFIX)}  # a label may start so too: both
+    ids |= {e["request_id"] for e in events if e.get("client_request_id") == request_id and e.get("request_id")}
     out = [e for e in events if e.get("request_id") in ids or ids & set(e.get("request_ids") or ())]
     out.sort(key=lambda e: e.get("timestamp", ""))
     return out
