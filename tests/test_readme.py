@@ -1,0 +1,104 @@
+"""README.md and docs/*.md name only files inside the repository, and every file they name exists;
+the README's runnable examples run as written (from a directory that is not the repository)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+CODE_PATH = re.compile(r"`((?:mmserve|tests|bench|docs|scripts)/[\w./-]*)`")
+EXAMPLE = re.compile(r"<!-- tests/test_readme.py runs this block (.*?) -->\n```python\n(.*?)^```", re.M | re.S)
+
+
+def _prose(page: Path) -> str:
+    """The page without its fenced code blocks (a `# comment` there is no heading)."""
+    return FENCE.sub("", page.read_text())
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", _prose(page), re.M)}
+
+
+def _relative_links(page: Path) -> list[str]:
+    return [t for t in LINK.findall(_prose(page)) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_every_relative_link_points_to_a_file_in_the_repository():
+    problems = []
+    for page in PAGES:
+        for target in _relative_links(page):
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.is_relative_to(ROOT):
+                problems.append(f"{page.name}: {target} leaves the repository")
+            elif not dest.exists():
+                problems.append(f"{page.name}: {target} does not exist")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                problems.append(f"{page.name}: {target}: no heading makes #{anchor}")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_link_or_path_climbs_out_of_its_place():
+    """The README sits at the root: nothing in it starts with ../ (a clone has nothing above it).
+    A docs/ page reaches the repository's other files with ../ (checked above to stay inside);
+    no page names a path above the repository in code either."""
+    readme = README.read_text()
+    assert not re.findall(r"(?:^|[\s(`'\"])\.\./", readme), "README.md names a path starting with ../"
+    for page in PAGES:
+        assert not re.findall(r"`\.\./", page.read_text()), f"{page.name} names a path starting with ../"
+        for target in _relative_links(page):
+            if page == README or target.startswith("../"):
+                assert (page.parent / target.partition("#")[0]).resolve().is_relative_to(ROOT), (page.name, target)
+
+
+def test_repository_paths_named_in_code_exist():
+    missing = [f"{page.name}: {p}" for page in PAGES for p in CODE_PATH.findall(page.read_text())
+               if not (ROOT / p.rstrip("/")).exists()]
+    assert not missing, "\n".join(missing)
+
+
+def _examples(where: str) -> list[str]:
+    found = [code for kind, code in EXAMPLE.findall(README.read_text()) if where in kind]
+    assert found, f"README.md has no example marked 'runs this block {where}'"
+    return found
+
+
+def _expected(code: str) -> list[str]:
+    """The answers an example promises in comments: `print(...)   # red`."""
+    return re.findall(r"^\s*print\(.*\)\s+# (\w+)\s*$", code, re.M)
+
+
+def test_readme_http_example_answers(demo_server):
+    (code,) = _examples("against a demo server")
+    assert "http://127.0.0.1:8000" in code
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace("http://127.0.0.1:8000", demo_server.url), "README.md", "exec"), {})
+    assert _expected(code) and all(word in out.getvalue().split() for word in _expected(code)), out.getvalue()
+
+
+def test_readme_embedded_examples_run_from_another_directory(tmp_path):
+    examples = _examples("from a temporary directory")
+    procs = []
+    for i, code in enumerate(examples):
+        (tmp_path / f"example{i}.py").write_text(code)
+        procs.append(subprocess.Popen([sys.executable, f"example{i}.py"], cwd=tmp_path, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for code, p in zip(examples, procs):
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, (code, stderr[-3000:])
+        assert stdout.strip(), code
+        assert all(word in stdout.split() for word in _expected(code)), (code, stdout)
+        assert not stdout.lstrip().startswith("{"), "logs on stdout"
