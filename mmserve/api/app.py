@@ -87,11 +87,13 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.get("/health")
     async def health():
-        """The runtime's health; `?model=NAME` answers for one model (its actors and the intake)."""
+        """The runtime's health; `?model=NAME` answers for one model (its actors and the intake):
+        200 only once the model is loaded, so a load balancer routing by model sends its requests
+        only where they are answered without a load (503 with its state otherwise; 404 unknown)."""
         h = rt.health(request.args.get("model"))
-        resp = Response(json.dumps(h.to_json()), status=200 if h.ok else 503, mimetype="application/json")
-        if not h.ok:
-            resp.headers["Retry-After"] = str(max(1, round(h.retry_after_s)))
+        resp = Response(json.dumps(h.to_json()), status=200 if h.serving else 503, mimetype="application/json")
+        if h.retry_after is not None:
+            resp.headers["Retry-After"] = str(max(1, round(h.retry_after)))
         return resp
 
     @app.get("/metrics")

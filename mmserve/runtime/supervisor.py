@@ -42,7 +42,11 @@ def _describe(exc: BaseException) -> str:
 @dataclass(frozen=True)
 class Health:
     """The runtime's health, or one model's (`model`). `models` maps each model to its state:
-    "ok", "down" (an actor of it died or hung: restarting), "loading", "not_loaded" or "failed"."""
+    "ok", "down" (an actor of it died or hung: restarting), "loading", "not_loaded" or "failed".
+
+    `ok`: nothing is wrong, requests are admitted (a model not loaded yet is loaded by its first
+    request). `serving`: what a load balancer routes by — for one model, also that it is loaded:
+    a request sent to a replica that has not loaded the model would wait for the whole load."""
 
     ok: bool
     actors: dict[str, bool] = field(default_factory=dict)
@@ -52,15 +56,42 @@ class Health:
     retry_after_s: float = 1.0
     details: dict = field(default_factory=dict)  # informational, per actor (e.g. the shared cache tier's state)
 
+    @property
+    def state(self) -> str | None:
+        """The model's state, for one model's health; None for the runtime's."""
+        return None if self.model is None else self.models.get(self.model)
+
+    @property
+    def serving(self) -> bool:
+        """`ok`, and for one model, loaded ("ok"): its requests are answered here without a load."""
+        return self.ok and self.state in (None, "ok")
+
+    @property
+    def retry_after(self) -> float | None:
+        """When asking again may find it serving; None while serving, and for a model that is not
+        loaded (nothing but a request for it will load it)."""
+        if self.serving or (self.ok and self.state == "not_loaded"):
+            return None
+        return self.retry_after_s
+
     def to_json(self) -> dict:
-        body = {"status": "ok" if self.ok else "unavailable", "actors": self.actors, "models": self.models}
+        body = {"status": "ok" if self.serving else "unavailable", "actors": self.actors, "models": self.models}
         if self.details:
             body["details"] = self.details
         if self.model is not None:
             body["model"] = self.model
-        if self.reason:
-            body["reason"] = self.reason
+            body["state"] = self.state
+        reason = self.reason or (None if self.serving else _not_serving_yet(self.model, self.state))
+        if reason:
+            body["reason"] = reason
         return body
+
+
+def _not_serving_yet(model: str, state: str | None) -> str:
+    if state == "loading":
+        return f"model {model!r} is loading"
+    return (f"model {model!r} is not loaded on this server: its first request here loads it "
+            f"(load = \"eager\" loads it at start)")
 
 
 def model_of(key: str) -> str | None:
