@@ -151,22 +151,25 @@ def test_lookup_returns_longest_prefix_references_blocks_and_starts_the_table():
     a.check_invariants()
 
 
-def test_lookup_continues_a_table_after_what_it_holds():
-    """A preempted sequence kept its first block (an image it cannot recompute) and gets back what
-    is still cached of the rest of its prompt: the hashes after its table are looked up."""
+def test_lookup_only_starts_an_empty_table_and_transfer_hands_it_over():
+    """Hits never land after blocks an owner holds (they would shift the indices it commits by,
+    issue 28); a lookup's pin hands its hits to the request whole, once the answer is delivered."""
     a = BlockArena(6)
     a.allocate("r1", 3)
     for i, h in enumerate([A, B, C]):
         a.commit("r1", i, h)
-    a.truncate("r1", 1)  # preempted, keeping block 0
-    assert a.evictable_blocks() == [2, 1]
-    assert a.lookup([A, B, C, D], "r1") == [1, 2]
-    assert a.table("r1") == (0, 1, 2) and a.evictable_blocks() == [] and a.refcount(1) == 1
-    assert a.lookup([A, B, C, D], "r1") == []  # nothing more cached: the table is unchanged
-    assert a.table("r1") == (0, 1, 2)
-    assert a.lookup([A], "r1") == []  # hashes it already holds are not looked up again
+    a.truncate("r1", 1)
+    with pytest.raises(ValueError, match="empty table"):
+        a.lookup([A, B, C, D], "r1")
+    assert a.table("r1") == (0,) and a.evictable_blocks() == [2, 1]  # changed nothing
+    assert a.lookup([A, B, C, D], "r2/lookup") == [0, 1, 2]
+    assert a.transfer("r2/lookup", "r2") == [0, 1, 2]
+    assert a.table("r2") == (0, 1, 2) and a.table("r2/lookup") == () and a.refcount(0) == 2
+    with pytest.raises(ValueError, match="empty table"):
+        a.transfer("r2", "r1")
+    assert a.transfer("nobody", "r3") == [] and a.table("r3") == ()
     s = a.stats()
-    assert (s.queries_blocks, s.hit_blocks) == (4, 2)
+    assert (s.queries_blocks, s.hit_blocks) == (4, 3)
     a.check_invariants()
 
 
@@ -479,15 +482,17 @@ class RefArena:
         return tuple(self.tables.get(owner, ()))
 
     def lookup(self, hashes, owner) -> list[int]:
-        held = len(self.tables.get(owner, []))
+        """Hits start an empty table only (issue 28); an owner holding blocks is refused."""
+        if self.tables.get(owner):
+            raise ValueError("a lookup starts an empty table")
         out = []
-        for h in hashes[held:]:
+        for h in hashes:
             if h not in self.entry:
                 break
             out.append(self.entry[h])
         if out:
-            self.tables.setdefault(owner, []).extend(out)
-        self.queries += max(0, len(hashes) - held)
+            self.tables[owner] = list(out)
+        self.queries += len(hashes)
         self.hits += len(out)
         return out
 
@@ -606,15 +611,20 @@ class ArenaMachine(RuleBasedStateMachine):
 
     @rule(owner=st.sampled_from(OWNERS), spec=HASHES)
     def lookup(self, owner, spec):
-        """A new sequence's prefix hit, or a preempted one getting back what is still cached after
-        the blocks it kept."""
+        """A new (or preempted, hence empty) sequence's prefix hit; refused for an owner holding
+        blocks, changing nothing."""
         hashes = self._hashes(spec)
-        held = len(self.ref.table(owner))
-        if spec[0] is not None and not held:
+        if self.ref.table(owner):
+            before = self.arena.table(owner)
+            with pytest.raises(ValueError):
+                self.arena.lookup(hashes, owner)
+            assert self.arena.table(owner) == before
+            return
+        if spec[0] is not None:
             self.prompt[owner] = spec[0]
         got = self.arena.lookup(hashes, owner)
         assert got == self.ref.lookup(hashes, owner)
-        for h, block in zip(hashes[held:], got):
+        for h, block in zip(hashes, got):
             assert self.pool.get(block) == h, f"block {block} holds {self.pool.get(block)!r}, not the hit {h!r}"
         self._note_start(owner)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from mmserve.actors.messages import Allocate, Allocated, Resume, Resumed
+from mmserve.actors.messages import Allocate, Allocated, Release, Resume, Resumed
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.errors import ServiceUnavailable
 from mmserve.generation.scheduler import Planned, newest
@@ -27,7 +27,10 @@ class BlockGrants:
                 return []
             self._check_epoch(reply.epoch)
             for rid, blocks in reply.granted:
-                seq = next(s for s in self.seqs if s.kv_owner == rid)
+                seq = next((s for s in self.seqs if s.kv_owner == rid and s.state in LIVE), None)
+                if seq is None:  # failed meanwhile (e.g. by the epoch check): the grant goes back
+                    self.cache_manager.send_nowait(Release(rid))
+                    continue
                 seq.table.extend(blocks)
                 seq.epoch, seq.registered = reply.epoch, True
             refused = set(reply.refused)
@@ -69,7 +72,7 @@ class BlockGrants:
         for seq in seqs:
             seq.resumable = False
             most = (seq.target_len - 1) // self.block_size
-            if seq.kv_len == seq.table_len * self.block_size and most > seq.table_len:
+            if not seq.table and seq.kv_len == 0 and most > 0:  # hits only ever start an empty table
                 wants.append((seq.kv_owner, tuple(seq.hashes[:most])))
         if not wants:
             return
@@ -83,11 +86,13 @@ class BlockGrants:
             return
         self._check_epoch(reply.epoch)
         for owner, blocks in reply.tables:
-            seq = next((s for s in self.seqs if s.kv_owner == owner and s.state in LIVE), None)
-            if seq is None or not blocks:
+            if not blocks:
                 continue
-            if seq.committed == seq.table_len:  # the resumed blocks are cache entries: committed
-                seq.committed += len(blocks)
+            seq = next((s for s in self.seqs if s.kv_owner == owner and s.state in LIVE), None)
+            if seq is None or seq.table:  # ended (or failed by the epoch check): they go back
+                self.cache_manager.send_nowait(Release(owner))
+                continue
+            seq.committed = len(blocks)  # the resumed blocks are cache entries: committed
             seq.table.extend(blocks)
             seq.kv_len = seq.table_len * self.block_size
             seq.epoch, seq.registered = reply.epoch, True
@@ -106,8 +111,10 @@ class BlockGrants:
         return None
 
     def _check_epoch(self, epoch: int) -> None:
-        """Tables from an earlier life of the cache manager point at blocks it may have given away."""
-        for seq in [s for s in self.seqs if s.epoch is not None and s.epoch != epoch]:
+        """Tables from an earlier life of the cache manager point at blocks it may have given away:
+        their sequences fail; those that held nothing go on."""
+        self.kv_epoch = max(epoch, self.kv_epoch or 0)
+        for seq in [s for s in self.seqs if s.epoch is not None and s.epoch != epoch and s.state in LIVE]:
             self._fail(seq, ServiceUnavailable("the KV cache of this model was restarted while the request "
                                                "ran; retry", retry_after_s=1.0), "kv cache")
         self._prune()

@@ -66,6 +66,7 @@ class Generator(BlockGrants, Answers, Actor):
         self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
         self.reencoded_images = 0  # images preempted sequences encoded again (their cached KV was gone)
         self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
+        self.kv_epoch: int | None = None  # the latest life of the cache manager heard of
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
         self._pieces: TokenPieces | None = None  # token id → text and bytes, for logprobs
@@ -133,6 +134,11 @@ class Generator(BlockGrants, Answers, Actor):
         if not job.handle.active:
             self._release(seq)
             return
+        if seq.epoch is not None and self.kv_epoch is not None and seq.epoch != self.kv_epoch:
+            # its hit was answered by a life of the cache manager that has died since: void
+            self._fail(seq, ServiceUnavailable("the KV cache of this model was restarted while the request "
+                                               "was prepared; retry", retry_after_s=1.0), "kv cache")
+            return
         try:
             matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in range(params.n)]
             if params.logprobs:
@@ -174,6 +180,7 @@ class Generator(BlockGrants, Answers, Actor):
             self.cache_manager.send_nowait(Release(seq.kv_owner, finish))
         seq.table = []
         seq.registered = False
+        seq.epoch = None  # it holds nothing: a restart of the manager no longer concerns it
 
     def _prune(self) -> None:
         """Drops ended sequences, and the copy sources pinned for choices among them (a choice can
@@ -243,6 +250,12 @@ class Generator(BlockGrants, Answers, Actor):
         results: list = [None] * len(plan)
         rows, ids, images, segments, positions = [], [], [], [], []
         for i, p in enumerate(plan):
+            if p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch:
+                # its table belongs to a dead life of the cache manager, which may have given those
+                # blocks to a shared-tier restore already: it writes nothing (and fails)
+                results[i] = ServiceUnavailable("the KV cache of this model was restarted while the request "
+                                                "ran; retry", retry_after_s=1.0)
+                continue
             try:
                 if not p.decode:
                     fault("generator.prefill", p.seq.label)

@@ -250,6 +250,7 @@ class Intake(Actor):
             answer = await answers.receive()
             if isinstance(answer, PrefixFailed):
                 self.fail_request(handle, answer.error, answer.stage)
+                prefix_cache.send_nowait(Release(handle.request_id))  # every lookup is settled by one
                 return None
             return PrefixState(hashes, answer.blocks, len(answer.blocks) * self.block_size, True, answer.epoch)
         # blocks granted after this are the request's still: its Release (at its end) frees them

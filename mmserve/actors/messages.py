@@ -309,6 +309,12 @@ class Forked:
     epoch: int
 
 
+def lookup_pin(request_id: str) -> str:
+    """The owner that holds a lookup's (or a resume's) hits until its answer is delivered: only
+    then do they start the request's table, so an answer nobody takes drops the pin alone."""
+    return request_id + "/lookup"
+
+
 def copy_pin(child: str) -> str:
     """The owner that keeps a forked child's copy source referenced until the copy is done."""
     return child + "/copy-source"

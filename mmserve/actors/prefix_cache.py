@@ -10,6 +10,14 @@ committed blocks stay cached). A miss registers the request as computing the mis
 later request missing the same blocks waits for its commit instead (in-flight dedup), and
 computes them itself if it releases first or the wait times out. The tensors live with the
 generator, which writes only into blocks granted here.
+
+Ownership is a rule of the bookkeeping, not of message timing (DESIGN.md): a block granted to a
+request stays that request's until its own Release, or until the epoch that granted it dies. So
+a lookup's hits are held under a pin of their own (`lookup_pin`) until its answer is delivered,
+and only then start the request's (empty) table; an answer nobody takes — the requester stopped
+waiting, or was answered already, or holds blocks the generator granted meanwhile — drops the pin
+and nothing else. Every answer to the generator that it did not take (a closed reply channel)
+takes back exactly what that answer gave.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ from __future__ import annotations
 import torch
 import trio
 
+from mmserve.actors import compute
 from mmserve.actors.base import Actor
 from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
     Allocate, Allocated, ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release,
-    Resume, Resumed, copy_pin)
+    Resume, Resumed, copy_pin, lookup_pin)
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
@@ -55,7 +64,10 @@ class PrefixCacheManager(Actor):
         self.arena = BlockArena(self.num_blocks)
         self.inflight: InFlightBlocks[Lookup] = InFlightBlocks()
         self.remote: dict[str, tuple[Lookup, int, float | None]] = {}  # lookups asking the shared tier
+        self.looked_up: set[str] = set()  # requests whose lookup came, until their Release
         self.epoch += 1
+        if self.kv is not None:  # a step of an earlier epoch no longer writes (see `_restore`)
+            self.kv.epoch = self.epoch
 
     async def run(self) -> None:
         if self.epoch > 1 and self.generator is not None:  # restarted: the generator's tables are void
@@ -69,11 +81,15 @@ class PrefixCacheManager(Actor):
                 await self._handle(msg)
             for parked in self.inflight.expired(trio.current_time()):
                 self.log.info("prefix_cache.wait_expired", request_id=parked.waiter, owner=parked.owner)
-                self._lookup(parked.payload, waited_since=parked.deadline - self.wait_s, may_wait=False)
+                self._relook(parked, may_wait=False)
             self.progressed()
 
     async def _handle(self, msg) -> None:
+        """One message. A failure handling one request's Lookup or Commit fails that request alone;
+        one anywhere else is a fault of the actor: it dies, and the restart voids every table of
+        this epoch (the generator fails the requests that held blocks, the others go on)."""
         if isinstance(msg, Allocate):
+            await afault("prefix.allocate")
             self._allocate(msg)
         elif isinstance(msg, (Lookup, Commit)):
             try:
@@ -81,12 +97,15 @@ class PrefixCacheManager(Actor):
             except Exception as e:
                 self._contain(msg, e)
         elif isinstance(msg, Release):
+            await afault("prefix.release", msg.request_id)
             self._release(msg)
         elif isinstance(msg, SharedBlocks):
-            self._restore(msg)
+            await self._restore(msg)
         elif isinstance(msg, Fork):
+            await afault("prefix.fork", msg.parent)
             self._fork(msg)
         elif isinstance(msg, Resume):
+            await afault("prefix.resume")
             self._resume(msg)
         elif isinstance(msg, ClearCache):
             n = self.arena.clear()
@@ -97,6 +116,10 @@ class PrefixCacheManager(Actor):
 
     async def _for_request(self, msg: Lookup | Commit) -> None:
         if isinstance(msg, Lookup):
+            if msg.request_id in self.looked_up:  # a duplicate: its first lookup is answered, or will be
+                self.log.warning("prefix_cache.duplicate_lookup", request_id=msg.request_id)
+                return
+            self.looked_up.add(msg.request_id)
             await afault("prefix.lookup", msg.label)
             self._lookup(msg)
         else:
@@ -111,8 +134,9 @@ class PrefixCacheManager(Actor):
         self.arena.check_invariants()
         self.inflight.check_invariants()
         rid, stage = msg.request_id, "prefix cache " + ("lookup" if isinstance(msg, Lookup) else "commit")
-        if isinstance(msg, Lookup):  # the generator never saw these blocks
-            self.arena.free(rid)
+        if isinstance(msg, Lookup):  # only the lookup's own hits: never blocks the generator was granted
+            self.arena.free(lookup_pin(rid))
+            # `looked_up` keeps it: intake settles a failed lookup with a Release too
         # a failed commit's blocks stay the generator's until its Release: freed now, they could be
         # granted to another request while this one still writes into them
         self._done(rid)
@@ -123,14 +147,21 @@ class PrefixCacheManager(Actor):
 
     # -- lookups and in-flight dedup ---------------------------------------------------------------
 
-    def _lookup(self, msg: Lookup, waited_since: float | None = None, may_wait: bool = True) -> None:
-        rid, hashes = msg.request_id, msg.hashes
-        blocks = self.arena.lookup(hashes, rid) if self.caching else []
+    def _lookup(self, msg: Lookup, waited_since: float | None = None, deadline: float | None = None,
+                may_wait: bool = True) -> None:
+        """Answers `msg` (or parks it, or asks the shared tier). Its hits are pinned under
+        `lookup_pin`, not the request: nothing the request holds is touched until the answer is
+        delivered. A wait keeps its first deadline however often it is parked again."""
+        rid, hashes, pin = msg.request_id, msg.hashes, lookup_pin(msg.request_id)
+        self.arena.free(pin)  # a lookup looked up again: its earlier hits go back first
+        blocks = self.arena.lookup(hashes, pin) if self.caching else []
         if len(blocks) < len(hashes) and self.caching:
             owner = self.inflight.owner_of(hashes[len(blocks)])
-            if may_wait and self.wait_s > 0 and owner is not None and owner != rid:
-                self.arena.free(rid)  # looked up again when the wait ends
-                self.inflight.park(rid, owner, trio.current_time() + self.wait_s, msg)
+            now = trio.current_time()
+            deadline = now + self.wait_s if deadline is None else deadline
+            if may_wait and self.wait_s > 0 and owner is not None and owner != rid and deadline > now:
+                self.arena.free(pin)  # looked up again when the wait ends
+                self.inflight.park(rid, owner, deadline, msg)
                 self.dedup_waits += 1
                 self.log.info("prefix_cache.wait", request_id=rid, owner=owner, hit_blocks=len(blocks),
                               first_hash=key_prefix(hashes[len(blocks)]))
@@ -140,24 +171,40 @@ class PrefixCacheManager(Actor):
                           registered=registered)
             if self._ask_shared(msg, len(blocks), waited_since):
                 return  # answered when the shared tier's answer comes (SharedBlocks)
-        self._answer(msg, blocks, waited_since)
+        self._answer(msg, waited_since)
 
-    def _answer(self, msg: Lookup, blocks, waited_since: float | None, restored: int = 0) -> None:
-        rid, hashes = msg.request_id, msg.hashes
+    def _relook(self, parked, may_wait: bool = True) -> None:
+        """A parked lookup looked up again (its owner is done, or its wait ended). What it raises
+        fails that lookup's request alone — never the request whose commit or release woke it."""
+        try:
+            self._lookup(parked.payload, waited_since=parked.deadline - self.wait_s, deadline=parked.deadline,
+                         may_wait=may_wait)
+        except Exception as e:
+            self._contain(parked.payload, e)
+
+    def _answer(self, msg: Lookup, waited_since: float | None, restored: int = 0) -> None:
+        """Delivers the hits pinned for `msg`; they become the request's table only once delivered.
+        An answer nobody takes — the requester stopped waiting, or the generator already holds
+        blocks for it (intake gave up and went on) — drops the pin, and nothing else."""
+        rid, hashes, pin = msg.request_id, msg.hashes, lookup_pin(msg.request_id)
+        blocks = self.arena.table(pin)
         waited = trio.current_time() - waited_since if waited_since is not None else 0.0
         self.log.info("prefix_cache.lookup", request_id=rid, queried_blocks=len(hashes),
-                      hit_blocks=len(blocks), hit_tokens=len(blocks) * self.block_size, blocks=blocks,
+                      hit_blocks=len(blocks), hit_tokens=len(blocks) * self.block_size, blocks=list(blocks),
                       first_hash=key_prefix(hashes[0]) if hashes else None, waited_s=round(waited, 6),
                       **({"shared_blocks": restored} if self.shared is not None else {}))
-        if not _send(msg.reply, LookupResult(rid, tuple(blocks), waited, self.epoch)):
-            self.arena.free(rid)  # the requester stopped waiting: it holds nothing here
-            self._done(rid)
+        if not self.arena.table(rid) and _send(msg.reply, LookupResult(rid, blocks, waited, self.epoch)):
+            self.arena.transfer(pin, rid)
+            return
+        self.arena.free(pin)
+        self.log.info("prefix_cache.answer_dropped", request_id=rid, hit_blocks=len(blocks))
+        self._done(rid)
 
     def _done(self, request_id: str) -> None:
         """`request_id` computes nothing more: lookups parked on it are answered again."""
         self.remote.pop(request_id, None)  # a shared-tier answer for it comes too late: dropped
         for parked in self.inflight.done(request_id):
-            self._lookup(parked.payload, waited_since=parked.deadline - self.wait_s)
+            self._relook(parked)
 
     # -- the generator's blocks ----------------------------------------------------------------------
 
@@ -178,14 +225,22 @@ class PrefixCacheManager(Actor):
                 self.arena.truncate(rid, len(self.arena.table(rid)) - len(blocks))
 
     def _resume(self, msg: Resume) -> None:
+        """Preempted (empty) tables get back what is still cached of their blocks, pinned until the
+        answer is delivered; an owner that holds blocks already gets none (hits only ever start an
+        empty table)."""
         tables = []
         for rid, hashes in msg.wants:
-            blocks = self.arena.lookup(hashes, rid) if self.caching else []
+            pin = lookup_pin(rid)
+            self.arena.free(pin)
+            blocks = self.arena.lookup(hashes, pin) if self.caching and not self.arena.table(rid) else []
             self.log.info("prefix_cache.resume", request_id=rid, queried_blocks=len(hashes), hit_blocks=len(blocks))
             tables.append((rid, tuple(blocks)))
-        if not _send(msg.reply, Resumed(tuple(tables), self.epoch)):
-            for rid, blocks in tables:  # the generator stopped waiting: it never learned of them
-                self.arena.truncate(rid, len(self.arena.table(rid)) - len(blocks))
+        delivered = _send(msg.reply, Resumed(tuple(tables), self.epoch))
+        for rid, _ in tables:  # not delivered: the generator never learned of them, they go back
+            if delivered:
+                self.arena.transfer(lookup_pin(rid), rid)
+            else:
+                self.arena.free(lookup_pin(rid))
 
     def _fork(self, msg: Fork) -> None:
         tables = []
@@ -228,9 +283,12 @@ class PrefixCacheManager(Actor):
                 self.shared.deliver_after_writes(handle, event)
             else:
                 handle.emit(event)
-        self.arena.free(msg.request_id)
-        self.log.info("prefix_cache.release", request_id=msg.request_id)
-        self._done(msg.request_id)
+        rid = msg.request_id
+        self.arena.free(rid)
+        self.arena.free(lookup_pin(rid))  # a lookup still pending for it (parked: `_done`) answers no one
+        self.looked_up.discard(rid)
+        self.log.info("prefix_cache.release", request_id=rid)
+        self._done(rid)
 
     # -- the shared tier (Redis) under the arena ------------------------------------------------------
 
@@ -246,41 +304,41 @@ class PrefixCacheManager(Actor):
                                                 self.epoch, self.inbox_send))
         return True
 
-    def _restore(self, answer: SharedBlocks) -> None:
+    async def _restore(self, answer: SharedBlocks) -> None:
         """The blocks the tier found are given to the request (allocated here, like any block), their
         KV written into them, and committed: its lookup is answered with the longer prefix."""
         pending = self.remote.pop(answer.request_id, None)
         if pending is None or answer.epoch != self.epoch:
             return  # the request went on without it (or ended), or the arena restarted
         msg, local, waited_since = pending
-        rid, restored = msg.request_id, 0
-        if answer.blocks and len(self.arena.table(rid)) == local:
+        rid, pin, restored = msg.request_id, lookup_pin(msg.request_id), 0
+        if answer.blocks and len(self.arena.table(pin)) == local:
             try:
-                restored = self._write_restored(rid, msg.hashes, local, answer.blocks)
+                restored = await self._write_restored(pin, msg.hashes, local, answer.blocks)
             except Exception as e:  # a miss, never a failed request: the fresh blocks are dropped
                 self.arena.check_invariants()
-                self.arena.truncate(rid, local)
+                self.arena.truncate(pin, local)
                 self.log.error("prefix_cache.shared_restore_failed", request_id=rid,
                                error=f"{type(e).__name__}: {e}", exc_info=e)
-        self._answer(msg, list(self.arena.table(rid)), waited_since, restored)
+        self._answer(msg, waited_since, restored)
 
-    def _write_restored(self, rid: str, hashes, local: int, tensors) -> int:
+    async def _write_restored(self, pin: str, hashes, local: int, tensors) -> int:
+        """Fresh blocks for the found KV, written on the compute thread: after any step that was
+        running, and before any later one. A step checks the arena's epoch when it starts, so a
+        step of an earlier epoch (whose void tables may name these very blocks) never writes
+        after this; within one epoch nobody else writes fresh blocks."""
         n = min(len(tensors), self.arena.num_free())
-        taken = self.arena.allocate_evicting(rid, n)
+        taken = self.arena.allocate_evicting(pin, n)
         if evicted := [(b, h) for b, h in taken if h is not None]:
-            self.log.info("prefix_cache.evict", request_id=rid, blocks=[b for b, _ in evicted],
+            self.log.info("prefix_cache.evict", request_id=pin, blocks=[b for b, _ in evicted],
                           hashes=[key_prefix(h) for _, h in evicted])
         kv = self.kv
-        with single_threaded():
-            for (block, _), t in zip(taken, tensors):  # fresh blocks: nobody else reads or writes them
-                t = t.to(kv.device)
-                for layer in range(kv.layers):
-                    kv.keys[layer][block].copy_(t[0, layer])
-                    kv.values[layer][block].copy_(t[1, layer])
+        kv.epoch = self.epoch
+        await compute.run(kv.write_blocks, [block for block, _ in taken], tensors[:n], owner=self.key)
         for i in range(n):
-            self.arena.commit(rid, local + i, hashes[local + i])
+            self.arena.commit(pin, local + i, hashes[local + i])
         self.shared_restored += n
-        self.log.info("prefix_cache.shared_restore", request_id=rid, blocks=[b for b, _ in taken],
+        self.log.info("prefix_cache.shared_restore", request_id=pin, blocks=[b for b, _ in taken],
                       hashes=[key_prefix(h) for h in hashes[local:local + n]], found=len(tensors))
         return n
 

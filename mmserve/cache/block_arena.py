@@ -17,7 +17,7 @@ block ids its sequence's KV lives in. Each block is in exactly one of three stat
 - evictable: cached (it has a hash) and referenced by nobody; kept in LRU order, and reused by
   `allocate` only when no free block is left.
 
-A cache hit is block ids appended to the hitting owner's table: zero bytes copied. A commit is
+A cache hit is block ids that start the hitting owner's (empty) table: zero bytes copied. A commit is
 bookkeeping only: it records that an owner's full block holds the content its hash names, so a
 later `lookup` can share it.
 
@@ -26,7 +26,8 @@ Rules, and the failure each closes: blocks are assigned only by `allocate` (F3),
 step (a reused block never keeps a stale entry); `allocate` is all-or-nothing (`ArenaFull` changes
 nothing); `free`/`truncate` only drop references (an abort erases, evicts, reassigns nothing);
 `commit` registers a hash at most once (a duplicate stays private) and a block holds one content;
-`lookup` starts a table or continues it (a hit is always a prefix); eviction is least recently *released* first,
+`lookup` only starts an empty table (a hit is always a prefix, and never shifts the indices of
+blocks its owner already holds); `transfer` hands a whole table to an owner holding nothing; eviction is least recently *released* first,
 a chain from its tail (what stays cached is still a usable prefix), and a hit takes a block out of
 the LRU order (F5); `can_allocate(n)` is true exactly when `allocate(owner, n)` would succeed.
 """
@@ -124,16 +125,19 @@ class BlockArena:
     # -- changes -------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], owner: Hashable) -> list[int]:
-        """Blocks of the longest cached run of `hashes` after the owner's table, appended to it.
+        """Blocks of the longest cached prefix of `hashes`: they start `owner`'s table.
 
-        A new owner's table starts with them (a prefix hit); one that holds k blocks, which must
-        be hashes[:k], gets what is still cached of hashes[k:]. Each found block gets one more
-        reference (an evictable one leaves the LRU order); a miss changes no table.
+        Hits are only ever placed at the start of an empty table (ValueError otherwise, changing
+        nothing): appended after blocks the owner already holds, they would shift every index its
+        holder commits by. Each found block gets one more reference (an evictable one leaves the
+        LRU order); a miss changes nothing.
         """
         _check_hashes(hashes)
-        held = len(self._tables.get(owner, ()))
+        if owner in self._tables:
+            raise ValueError(f"owner {owner!r} holds {len(self._tables[owner])} blocks: a lookup starts an "
+                             "empty table")
         blocks: list[int] = []
-        for h in hashes[held:]:
+        for h in hashes:
             block = self._block_of.get(h)
             if block is None:
                 break
@@ -141,10 +145,25 @@ class BlockArena:
         for block in blocks:
             self._ref(block)
         if blocks:
-            self._tables.setdefault(owner, []).extend(blocks)
-        self._queries_blocks += max(0, len(hashes) - held)
+            self._tables[owner] = blocks
+        self._queries_blocks += len(hashes)
         self._hit_blocks += len(blocks)
-        return blocks
+        return list(blocks)
+
+    def transfer(self, src: Hashable, dst: Hashable) -> list[int]:
+        """`src`'s whole table becomes `dst`'s, which must hold nothing (ValueError otherwise,
+        changing nothing); refcounts are unchanged. A lookup's hits are held under a pin of their
+        own until the answer is delivered, then handed to the request this way."""
+        if src == dst:
+            raise ValueError(f"cannot transfer {src!r}'s table to itself")
+        if dst in self._tables:
+            raise ValueError(f"owner {dst!r} holds {len(self._tables[dst])} blocks: a transfer starts an "
+                             "empty table")
+        table = self._tables.pop(src, None)
+        if table is None:
+            return []
+        self._tables[dst] = table
+        return list(table)
 
     def allocate(self, owner: Hashable, n: int) -> list[int]:
         """`n` new blocks appended to `owner`'s table (refcount 1, no hash); all or `ArenaFull`."""

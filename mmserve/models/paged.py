@@ -72,6 +72,9 @@ class KVArena:
         self.num_blocks, self.block_size, self.kv_heads, self.head_dim = (int(s) for s in shape)
         self.dtype = keys[0].dtype
         self.device = keys[0].device
+        # the cache manager's life whose block tables may write here (None: not tracked); a step of
+        # sequences granted blocks in another life writes nothing (their tables are void)
+        self.epoch: int | None = None
 
     @classmethod
     def allocate(cls, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
@@ -118,6 +121,15 @@ class KVArena:
         shared block, before a sequence appends to it)."""
         for t in (*self.keys, *self.values):
             t[dst].copy_(t[src])
+
+    def write_blocks(self, blocks: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Writes whole blocks: `tensors[i]` is [2, layers, block_size, kv_heads, head_dim] (keys,
+        values) for block `blocks[i]` (a shared-tier restore, on the compute thread)."""
+        for block, t in zip(blocks, tensors):
+            t = t.to(self.device)
+            for layer in range(self.layers):
+                self.keys[layer][block].copy_(t[0, layer])
+                self.values[layer][block].copy_(t[1, layer])
 
     def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's first `length` tokens of KV in layer `layer`, [kv_heads, length, head_dim]
