@@ -48,7 +48,8 @@ async def test_a_dying_actor_fails_its_requests_and_restarts(tiny_config):
         await assert_consistent(rt)
 
 
-@pytest.mark.parametrize("spec", ["encoder.forward=raise@1", "image.decode=raise@1", "prefix.commit=raise@1"])
+@pytest.mark.parametrize("spec", ["encoder.forward=raise@1", "image.decode=raise@1", "prefix.commit=raise@1",
+                                  "prefix.lookup=raise@1"])
 async def test_a_fault_while_handling_one_request_fails_it_alone(tiny_config, spec):
     """Per-request work that raises fails that request with a 500 naming it; no actor restarts,
     health never drops, and the prefix cache holds nothing half-written."""
