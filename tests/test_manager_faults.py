@@ -10,6 +10,7 @@ request's lookup or commit fails that request alone (tests/test_faults.py).
 from __future__ import annotations
 
 import pytest
+import torch
 import trio
 
 from mmserve import Runtime
@@ -119,3 +120,26 @@ async def test_a_manager_fault_at_a_resume_fails_the_holder_and_the_preempted_on
         assert rt.supervisor.states["prefix_cache[demo]"].restarts == 1
         assert rt.supervisor.states["generator[demo]"].restarts == 0
         await assert_nothing_held(rt)
+
+
+async def test_a_step_of_a_dead_manager_life_writes_nothing(demo_config):
+    """After a manager restart its fresh bookkeeping may give any block to a shared-tier restore
+    at once (written on the compute thread). A step that starts after the restart must not write
+    the void tables of the earlier life: the arena's epoch moved (as `_reset` moves it), so the
+    sequence fails with a 503 and its blocks keep what they held."""
+    async with Runtime.open(demo_config) as rt:
+        model = rt.registry.require("demo")
+        generator, kv = model.generator, model.generator.kv
+        error, snapshot = None, None
+        try:
+            async with rt.chat(LONG, temperature=0, max_tokens=60, min_tokens=60) as long_answer:
+                async for _ in long_answer:
+                    if snapshot is None:
+                        seq = generator.seqs[0]
+                        blocks = list(seq.table)
+                        kv.epoch = seq.epoch + 1  # what the restarted manager's `_reset` does
+                        snapshot = [t[blocks].clone() for t in (*kv.keys, *kv.values)]
+        except MMServeError as e:
+            error = e
+        assert isinstance(error, ServiceUnavailable) and "restarted" in error.message
+        assert all(torch.equal(t[blocks], s) for t, s in zip((*kv.keys, *kv.values), snapshot))
