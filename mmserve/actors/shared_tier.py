@@ -14,13 +14,9 @@ Never slower and never down because of the tier:
 - any Redis error (absent, restarted, full, refusing) turns the tier off for `backoff_s`, logged
   once (`shared_tier.off`); a probe (opening the pool's connections, a PING on each) then turns it
   back on (`shared_tier.on`) or doubles the wait, up to `max_backoff_s`. While off, look-ups
-  answer "miss" at once and writes are dropped.
-  Requests are always answered from local compute;
-- the tier connects when its model loads (`connect`, before the model is ready): the client is
-  imported and built and its pool's connections opened then, not inside a look-up's deadline, so
-  a fresh replica's first look-up finds the others' entries. A Redis that is down turns the tier
-  off there (the model loads and serves all the same), and the probes that turn it back on open
-  the pool's connections the same way.
+  answer "miss" at once and writes are dropped. Requests are always answered from local compute;
+- the tier connects as its model loads (`connect`, before the model is ready), not in a look-up's
+  deadline; a Redis down then turns it off as above (the model loads and serves regardless).
 
 The client: redis-py's synchronous client over one `ConnectionPool`, called from trio worker
 threads (`trio.to_thread.run_sync`). redis-py is the maintained client with TLS (`rediss://`),
@@ -38,6 +34,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -121,8 +118,7 @@ class SharedTier(Actor):
             self._nursery = None
 
     def client(self):
-        """The Redis client (built by `connect`, or on first use; in a worker thread: importing redis-py
-        takes tens of ms). Building it opens no connection."""
+        """The Redis client (built by `connect` or on first use, in a worker thread); opens nothing."""
         if self._client is None:
             import redis
 
@@ -131,80 +127,49 @@ class SharedTier(Actor):
                 socket_connect_timeout=self.config.socket_timeout_s, max_connections=self.LOOKUP_THREADS + 2)
         return self._client
 
-    # -- connecting -------------------------------------------------------------------------------
+    # -- on / off ---------------------------------------------------------------------------------
 
     async def connect(self) -> bool:
-        """Imports and builds the client and opens its pool's connections now — when the model
-        loads, before it is reported ready — so that no look-up pays for that set-up: a look-up
-        has `lookup_deadline_ms` (50 ms), and importing redis-py alone takes 35-75 ms, a TCP
-        connect and the handshake (CLIENT SETINFO, AUTH, TLS) more round trips. Bounded by twice
-        `socket_timeout_s` (a connect, then a reply): a Redis that is down or does not answer turns
-        the tier off (probed again after `backoff_s`, as after any error) and the model serves
-        from local compute. Returns whether the tier is on."""
-        t0 = trio.current_time()
+        """Builds the client and opens its pool now, as the model loads, not in a look-up's deadline
+        (importing redis-py alone takes 35-75 ms); a Redis down or silent turns the tier off."""
         try:
             await self._open_pool()
         except Exception as e:
             self._failed(e, "connect")
-            return False
-        self.log.info("shared_tier.connected", connections=self.WARM_CONNECTIONS,
-                      elapsed_s=round(trio.current_time() - t0, 6))
-        return True
+        return self.state == ON
 
     async def _open_pool(self) -> None:
-        """Opens WARM_CONNECTIONS connections of the pool at once and PINGs on each (worker
-        threads); raises the first error, or TimeoutError past the bound."""
-        bound = 2 * self.config.socket_timeout_s
-        barrier = threading.Barrier(self.WARM_CONNECTIONS)
-        errors: list[BaseException] = []
+        """WARM_CONNECTIONS opened at once, a PING on each, within a connect and a reply's timeout."""
+        bound, barrier, errors = 2 * self.config.socket_timeout_s, threading.Barrier(self.WARM_CONNECTIONS), []
+        with trio.move_on_after(bound) as scope:
+            await trio.to_thread.run_sync(self.client, abandon_on_cancel=True)
+            async with trio.open_nursery() as nursery:
+                for _ in range(self.WARM_CONNECTIONS):
+                    nursery.start_soon(partial(trio.to_thread.run_sync, self._open_connection, barrier, bound, errors,
+                                               abandon_on_cancel=True))
+        barrier.abort()  # threads still waiting (given up, or another failed) give theirs back
+        if errors or scope.cancelled_caught:
+            raise errors[0] if errors else TimeoutError(f"connecting took longer than {bound:g} s")
 
-        async def open_one() -> None:
-            try:
-                await trio.to_thread.run_sync(self._open_connection, barrier, bound, abandon_on_cancel=True)
-            except Exception as e:
-                errors.append(e)
-
-        try:
-            with trio.move_on_after(bound) as scope:
-                await trio.to_thread.run_sync(self.client, abandon_on_cancel=True)
-                async with trio.open_nursery() as nursery:
-                    for _ in range(self.WARM_CONNECTIONS):
-                        nursery.start_soon(open_one)
-        finally:
-            barrier.abort()  # a thread left waiting (cancelled, or another failed) gives its connection back
-        if errors:
-            raise errors[0]
-        if scope.cancelled_caught:
-            raise TimeoutError(f"connecting took longer than {bound:g} s")
-
-    def _open_connection(self, barrier: threading.Barrier, timeout: float) -> None:
-        """In a worker thread: takes a connection of the pool (opening it), PINGs, and holds it
-        until the other threads hold theirs (else the pool would hand this one to the next), then
-        gives it back, open."""
-        pool = self.client().connection_pool
+    def _open_connection(self, barrier: threading.Barrier, timeout: float, errors: list) -> None:
+        """(Worker thread.) Opens a pooled connection, held till all are (else the pool reuses it)."""
+        pool, conn = self.client().connection_pool, None
         try:
             try:
                 conn = pool.get_connection()
             except TypeError:  # redis-py < 5.3 wants a command name
                 conn = pool.get_connection("PING")
-        except BaseException:
-            barrier.abort()
-            raise
-        try:
             conn.send_command("PING")
-            conn.read_response()
-            try:
-                barrier.wait(timeout)
-            except threading.BrokenBarrierError:
-                pass  # another connection failed (its error is reported) or the wait was given up
-        except BaseException:
+            conn.read_response()  # a socket error here closes the connection
+            barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            pass  # another connection failed (its error is reported), or the wait was given up
+        except Exception as e:  # reported by _open_pool; the others stop waiting for this one
+            errors.append(e)
             barrier.abort()
-            conn.disconnect()
-            raise
         finally:
-            pool.release(conn)
-
-    # -- on / off ---------------------------------------------------------------------------------
+            if conn is not None:
+                pool.release(conn)
 
     def active(self) -> bool:
         """Whether the tier is on now; when its backoff has run out, a probe is started."""
@@ -216,8 +181,7 @@ class SharedTier(Actor):
         return False
 
     async def _probe(self) -> None:
-        """Turns the tier back on if Redis answers: the pool's connections are opened again (those
-        the outage broke), so the first look-ups after it do not pay for reconnecting either."""
+        """Back on if Redis answers; the pool's connections are reopened here, not in look-ups."""
         try:
             await self._open_pool()
         except Exception as e:
