@@ -396,3 +396,71 @@ async def test_a_redis_down_at_start_leaves_the_model_serving(demo_config, tmp_p
         server.kill()
         if silent is not None:
             silent.close()
+
+
+async def test_tenants_missing_one_image_together_write_one_entry_each(demo_config, redis_server, redis_url):
+    """Two tenants (two cache_salts) send one new image in the same encoder batch: it is encoded
+    once (one output for both), but each tenant's entry is written to the tier under the key
+    salted with its own salt. A tenant's later look-up (on a fresh replica) reads its own entry,
+    never the other's."""
+    from mmserve.cache.shared_values import encoder_key
+
+    client = redis_server.client()
+    config = tier_config(demo_config, redis_url).replace(encoder_cache={"batch_wait_ms": 500.0})
+    img = render_image("green", "triangle", background="white", seed=7)
+    async with Runtime.open(config) as a:
+        async with trio.open_nursery() as n:
+            for salt in ("tenant-a", "tenant-b"):
+                n.start_soon(lambda s=salt: answer(a, ask(img, Q_SHAPE), cache_salt=s))
+        await settle(a)
+        enc = a.registry.require("demo").encoder
+        assert enc.stats()["items_encoded"] == 1  # one forward for both tenants: the same output
+        (mm_hash,) = enc.cache.keys()
+        algorithm = enc.adapter.hash_algorithm
+    key_a, key_b = (encoder_key(mm_hash, salt, algorithm) for salt in ("tenant-a", "tenant-b"))
+    stored = set(client.keys(b"mmserve:s1:enc*"))
+    assert stored == {key_a, key_b}  # one entry per tenant, each under its own salt
+    values = {k: client.get(k) for k in (key_a, key_b)}
+    other_prompt = [{"role": "system", "content": "Answer in one word."}, *ask(img, Q_BACKGROUND)]  # no KV hit
+
+    async def tenant_b_alone(present: bytes) -> dict:
+        """Tenant B's request on a fresh replica, with only the entry `present` in Redis."""
+        client.flushall()
+        client.set(present, values[present])
+        async with Runtime.open(config) as fresh:
+            text, _ = await answer(fresh, other_prompt, cache_salt="tenant-b")
+            assert text == "white"
+            return fresh.registry.require("demo").encoder.stats()
+
+    own = await tenant_b_alone(key_b)
+    assert (own["shared_hits"], own["encoder_runs"]) == (1, 0)  # its own entry
+    foreign = await tenant_b_alone(key_a)
+    assert (foreign["shared_hits"], foreign["encoder_runs"]) == (0, 1)  # never the other tenant's
+
+
+@pytest.mark.parametrize("in_redis", ["tenant-a", "tenant-b"])
+async def test_a_tenant_in_a_batch_with_another_reads_only_its_own_entry(demo_config, redis_server, redis_url,
+                                                                         in_redis):
+    """Two tenants miss one image in the same batch on a fresh replica, Redis holding the entry of
+    only one of them: that tenant is served from its entry, the other's image is encoded (never
+    served from the first one's entry) and its own entry written."""
+    from mmserve.cache.shared_values import encoder_key
+
+    config = tier_config(demo_config, redis_url).replace(encoder_cache={"batch_wait_ms": 500.0})
+    img = render_image("yellow", "square", background="black", seed=8)
+    async with Runtime.open(config) as first:  # writes the entry of `in_redis`
+        await answer(first, ask(img, Q_SHAPE), cache_salt=in_redis)
+        await settle(first)
+    other_prompt = [{"role": "system", "content": "Answer in one word."}, *ask(img, Q_SHAPE)]  # no KV hit
+    async with Runtime.open(config) as fresh:
+        async with trio.open_nursery() as n:
+            for salt in ("tenant-a", "tenant-b"):
+                n.start_soon(lambda s=salt: answer(fresh, other_prompt, cache_salt=s))
+        await settle(fresh)
+        enc = fresh.registry.require("demo").encoder
+        stats = enc.stats()
+        (mm_hash,) = enc.cache.keys()
+        algorithm = enc.adapter.hash_algorithm
+    assert (stats["shared_hits"], stats["encoder_runs"], stats["items_encoded"]) == (1, 1, 1), stats
+    keys = set(redis_server.client().keys(b"mmserve:s1:enc*"))
+    assert keys == {encoder_key(mm_hash, s, algorithm) for s in ("tenant-a", "tenant-b")}

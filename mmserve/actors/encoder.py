@@ -2,9 +2,11 @@
 
 It owns its model's `EncoderCache`. Jobs that arrive together (within `batch_wait_ms`) are looked
 up together; their misses are encoded in one batched forward, and an item missing for several
-requests at once is encoded once and shared (in-flight dedup). Entries a job uses are pinned from
-look-up until the job is handed to the generator, so an insertion for another request in the same
-batch can never evict them. Uncacheable items (no content key) are encoded fresh and never stored.
+requests at once is encoded once and shared (in-flight dedup), across tenants too; in the shared
+tier each tenant (`cache_salt`) still reads and writes its own entry only. Entries a job uses are
+pinned from look-up until the job is handed to the generator, so an insertion for another request
+in the same batch can never evict them. Uncacheable items (no content key) are encoded fresh and
+never stored.
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ class Miss:
     def labels(self) -> list[str | None]:
         """The client request ids of the waiters (fault hooks key on them)."""
         return [j.handle.client_request_id for j, _ in self.waiters]
+
+    @property
+    def salts(self) -> list[str | None]:
+        """The waiters' distinct `cache_salt`s (tenants), in order: each has its own tier entry."""
+        return list(dict.fromkeys(_salt(j) for j, _ in self.waiters))
+
+    def drop_waiters(self, salt: str | None) -> None:
+        """`salt`'s waiters are served: the item is computed for the others (from their prompt)."""
+        self.waiters = [(j, i) for j, i in self.waiters if _salt(j) != salt]
+        if self.waiters:
+            self.prompt, self.index = self.waiters[0][0].prompt, self.waiters[0][1]
+
+
+def _salt(job: EncodeJob) -> str | None:
+    return job.handle.request.cache_salt
 
 
 class Encoder(Actor):
@@ -160,6 +177,13 @@ class Encoder(Actor):
             rid = j.handle.request_id
             for i, key in self._wanted(j):
                 if key is not None and key in misses:  # the same new item twice in this batch
+                    # Encoded once for all its waiters, tenants (cache_salts) included: the output
+                    # depends on the image alone, and no stored entry is shared (each tenant's tier
+                    # entry is read and written under its own salt: _shared_look_up, _encode). All
+                    # a tenant could time from the merge — that another sends this image in the
+                    # same batch window — the local encoder cache (mm_hash, no salt, shared by the
+                    # tenants) tells it anyway, for as long as the entry stays; should that cache
+                    # ever be salted, this merge must be keyed per salt too.
                     misses[key].waiters.append((j, i))
                     continue
                 cached = self.cache.get(key) if (self.cache is not None and key is not None) else None
@@ -186,38 +210,40 @@ class Encoder(Actor):
                     found[id(j), i] = out
                 self._store(miss, out)
                 if self.shared is not None and miss.key is not None:  # written in the background
-                    self.shared.put_soon(KIND_ENCODER, self._shared_key(miss), out)
+                    for salt in miss.salts:  # one entry per tenant, never one for several
+                        self.shared.put_soon(KIND_ENCODER, self._shared_key(miss, salt), out)
 
-    def _shared_key(self, miss: Miss) -> bytes:
-        """The tier's key of a miss: its mm_hash, salted with its (first) requester's cache_salt."""
-        return encoder_key(miss.key, miss.waiters[0][0].handle.request.cache_salt, self.adapter.hash_algorithm)
+    def _shared_key(self, miss: Miss, salt: str | None) -> bytes:
+        """The tier's key of a miss for one tenant: its mm_hash, salted with that tenant's cache_salt."""
+        return encoder_key(miss.key, salt, self.adapter.hash_algorithm)
 
     async def _shared_look_up(self, misses: list[Miss], found: dict) -> list[Miss]:
-        """The local misses asked of the shared tier (one round trip, within its deadline); what it
-        holds — of the dtype and shape this model's encoder makes — is used and cached here.
-        Returns the misses left to encode."""
-        keyed = [m for m in misses if m.key is not None]
-        if not keyed:
+        """The local misses asked of the shared tier (one round trip, within its deadline), each
+        for every tenant waiting for it under that tenant's own key: what the tier holds — of the
+        dtype and shape this model's encoder makes — serves that tenant's waiters only, and is
+        cached here. Returns the misses left to encode (with the waiters still unserved)."""
+        asked = [(m, salt) for m in misses if m.key is not None for salt in m.salts]
+        if not asked:
             return misses
         hidden = getattr(self.adapter.text_config, "hidden_size", None)
-        shapes = [(m.prompt.spans[m.index].length, hidden) for m in keyed]
-        tensors = await self.shared.get_many(KIND_ENCODER, [self._shared_key(m) for m in keyed],
+        shapes = [(m.prompt.spans[m.index].length, hidden) for m, _ in asked]
+        tensors = await self.shared.get_many(KIND_ENCODER, [self._shared_key(m, salt) for m, salt in asked],
                                              self.adapter.dtype, shapes)
-        self.shared.counts["encoder_queries"] += len(keyed)
-        left = [m for m in misses if m.key is None]
-        for miss, t in zip(keyed, tensors):
+        self.shared.counts["encoder_queries"] += len(asked)
+        for (miss, salt), t in zip(asked, tensors):
             if t is None:
-                left.append(miss)
                 continue
             t = t.to(self.adapter.device)
             self.shared.counts["encoder_hits"] += 1
             self.shared_hits += 1
-            for j, i in miss.waiters:
+            waiters = [(j, i) for j, i in miss.waiters if _salt(j) == salt]
+            for j, i in waiters:
                 found[id(j), i] = t
-            self.log.info("encoder_cache.shared_hit", request_id=miss.waiters[0][0].handle.request_id,
+            self.log.info("encoder_cache.shared_hit", request_id=waiters[0][0].handle.request_id,
                           key=key_prefix(miss.key), bytes=tensor_nbytes(t))
             self._store(miss, t)
-        return left
+            miss.drop_waiters(salt)
+        return [m for m in misses if m.waiters]
 
     async def _add_pixels(self, misses: list[Miss], failed: dict) -> list[Miss]:
         """Each miss with its pixel tensor; the image processor runs in a worker thread, off the
