@@ -11,6 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+from matplotlib import transforms  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 
 COLUMNS = ("scenario", "metric", "mmserve", "baseline", "ratio", "target", "ok")
 
@@ -114,14 +116,24 @@ def _image_tokens(meta: dict) -> list[str]:
             f"the sizes used (W x H → tokens): {sizes}; mean {sum(tokens.values()) / len(tokens):.0f}."]
 
 
-def _load_warning(meta: dict) -> list[str]:
-    """A note when torch's threads were stalling each other (an oversubscribed CPU)."""
+LOAD_WARNING_AT = 3.0  # n-thread / 1-thread time of the probe matmul above which the CPU was oversubscribed
+
+
+def _thread_slowdown(meta: dict) -> float | None:
+    """The worst (start or end) time of the probe matmul with `torch_threads` threads over its time
+    with 1: about 1/n on a quiet machine, far above 1 when torch's threads wait for each other."""
     n = meta["torch_threads"]
-    worst = 0.0
+    worst = None
     for probe in (meta.get("thread_probe_start"), meta.get("thread_probe_end")):
         if probe and n > 1 and probe.get("matmul_ms_1_threads"):
-            worst = max(worst, probe[f"matmul_ms_{n}_threads"] / probe["matmul_ms_1_threads"])
-    if worst < 3:
+            worst = max(worst or 0.0, probe[f"matmul_ms_{n}_threads"] / probe["matmul_ms_1_threads"])
+    return worst
+
+
+def _load_warning(meta: dict) -> list[str]:
+    """A note when torch's threads were stalling each other (an oversubscribed CPU)."""
+    n, worst = meta["torch_threads"], _thread_slowdown(meta)
+    if worst is None or worst < LOAD_WARNING_AT:
         return []
     return [f"**Warning: the CPU was oversubscribed.** A small matmul took up to {worst:.0f}x longer with {n} "
             "torch threads than with 1 (other processes were busy): every op paid for thread synchronisation, "
@@ -182,19 +194,67 @@ def _top_level_details(conc: dict) -> list[str]:
 
 
 # -- PNG ------------------------------------------------------------------------------------------
+# Top: the decode, concurrency and multi-turn measurements. Below, full width: one row per target,
+# every row on the same normalised scale, "margin to the target" (measured / target for a floor,
+# target / measured for a ceiling; log scale): 1 is the target itself and right of it always means
+# the target is met, so a ratio of 3.8 and a hit-rate gap of 0.00 are both readable. Each row also
+# prints what was measured, its target with the kind marked (≥ floor, ≤ ceiling) and pass/fail.
+
+PASS, FAIL, UNKNOWN = "#2ca02c", "#d62728", "#9a9a9a"
+MARGIN_MIN, MARGIN_MAX = 1 / 8, 8  # the targets panel's x range; margins beyond are drawn at the edge
+
 
 def plot(report: dict, path: Path) -> None:
-    sc = report["scenarios"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    _plot_decode(axes[0][0], sc.get("decode", {}))
-    _plot_concurrency(axes[0][1], sc.get("concurrency", {}))
-    _plot_multiturn(axes[1][0], sc.get("multiturn", {}))
-    _plot_targets(axes[1][1], report["summary"])
-    title = _model_title(report["meta"]).replace("`", "")
-    fig.suptitle(f"mmserve benchmark ({report['meta']['params']['name']}; {title}) — ratios measured side by side")
-    fig.tight_layout()
+    sc, meta = report["scenarios"], report["meta"]
+    targets = target_rows(report["summary"])
+    top_h, row_h = 3.6, 0.42
+    bottom_h = max(1.5, row_h * len(targets) + 1.3)
+    lines, warning = _header_lines(meta)
+    head_h = 0.55 + 0.19 * len(lines) + (0.25 if warning else 0.2)
+    fig = plt.figure(figsize=(16, head_h + top_h + bottom_h))
+    total = head_h + top_h + bottom_h
+    for i, draw in enumerate((_plot_decode, _plot_concurrency, _plot_multiturn)):
+        # [left, bottom, width, height] in figure fractions
+        ax = fig.add_axes([0.05 + i * 0.33, (bottom_h + 0.55) / total, 0.26, (top_h - 0.95) / total])
+        draw(ax, {"decode": sc.get("decode", {}), "concurrency": sc.get("concurrency", {}),
+                  "multiturn": sc.get("multiturn", {})}[("decode", "concurrency", "multiturn")[i]])
+    ax = fig.add_axes([0.40, 0.75 / total, 0.30, (bottom_h - 1.3) / total if targets else 0.6 / total])
+    _plot_targets(fig, ax, targets)
+    title = _model_title(meta).replace("`", "")
+    fig.text(0.5, 1 - 0.22 / total, f"mmserve benchmark ({meta['params']['name']}; {title}) — every comparison "
+             "measured side by side in this run", ha="center", va="center", fontsize=14, weight="bold")
+    _plot_load(fig, meta, 1 - (0.5 + (head_h - 0.5) / 2) / total)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _header_lines(meta: dict) -> tuple[list[str], bool]:
+    """The load lines under the title, and whether they are a warning: a red warning when the CPU was
+    oversubscribed (as in report.md), else one grey line with what was measured."""
+    warning = _load_warning(meta)
+    slowdown = _thread_slowdown(meta)
+    probe = f"; probe matmul {meta['torch_threads']} threads / 1 thread: {slowdown:.2f}x" if slowdown else ""
+    facts = (f"{meta.get('device_name') or meta.get('device', 'cpu')}, {meta['cpu_count']} CPUs, "
+             f"{meta['torch_threads']} torch threads; load average {fmt(meta.get('loadavg_start'))} at start, "
+             f"{fmt(meta.get('loadavg_end'))} at the end{probe}; took {meta.get('duration_s', float('nan')):.0f} s; "
+             f"started {meta.get('started', '?')}")
+    if warning:
+        return textwrap.wrap(warning[0].replace("**", ""), 175) + textwrap.wrap(facts, 175), True
+    return textwrap.wrap(facts + " — no oversubscription seen", 215), False
+
+
+def _plot_load(fig, meta: dict, y: float) -> None:
+    lines, warning = _header_lines(meta)
+    if warning:
+        fig.text(0.5, y, "\n".join(lines), ha="center", va="center", fontsize=10, color="white", weight="bold",
+                 bbox={"facecolor": FAIL, "edgecolor": "none", "pad": 6})
+    else:
+        fig.text(0.5, y, "\n".join(lines), ha="center", va="center", fontsize=9.5, color="#555555")
+
+
+def _num(v) -> float:
+    """A number for plotting: None (NaN in report.json) and non-numbers as NaN."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
 
 
 def _empty(ax, title: str) -> None:
@@ -207,7 +267,7 @@ def _plot_decode(ax, d: dict) -> None:
     if not d.get("decode_tps"):
         return _empty(ax, "1. single-stream decode")
     names = list(d["decode_tps"])
-    ax.bar(names, [d["decode_tps"][n] for n in names], color=["C0", "C1", "C7"][: len(names)])
+    ax.bar(names, [_num(d["decode_tps"][n]) for n in names], color=["C0", "C1", "C7"][: len(names)])
     ax.set_title(f"1. single-stream decode ({d['new_tokens']} tokens)")
     ax.set_ylabel("decode tokens/s")
 
@@ -216,20 +276,21 @@ def _plot_concurrency(ax, d: dict) -> None:
     if not d.get("levels"):
         return _empty(ax, "2. concurrency sweep")
     n = [lv["concurrency"] for lv in d["levels"]]
-    ax.plot(n, [lv["agg_tps"] for lv in d["levels"]], "o-", label="mmserve HTTP")
-    ax.plot(n, [lv["hf"]["agg_tps"] for lv in d["levels"]], "s--", color="C7", label="HF generate, sequential")
+    ax.plot(n, [_num(lv["agg_tps"]) for lv in d["levels"]], "o-", label="mmserve HTTP")
+    ax.plot(n, [_num(lv["hf"]["agg_tps"]) for lv in d["levels"]], "s--", color="C7", label="HF generate, sequential")
     batched = [lv for lv in d["levels"] if "hf_batched" in lv]
     if batched:
-        ax.plot([lv["concurrency"] for lv in batched], [lv["hf_batched"]["agg_tps"] for lv in batched], "D",
+        ax.plot([lv["concurrency"] for lv in batched], [_num(lv["hf_batched"]["agg_tps"]) for lv in batched], "D",
                 color="C3", label="HF generate, one batch")
     if d.get("embedded"):
-        ax.plot([d["embedded"]["concurrency"]], [d["embedded"]["agg_tps"]], "^", color="C1", label="mmserve embedded")
+        ax.plot([d["embedded"]["concurrency"]], [_num(d["embedded"]["agg_tps"])], "^", color="C1",
+                label="mmserve embedded")
     ax.set_xscale("log", base=2)
     ax.set_xticks(n, [str(x) for x in n])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title("2. concurrency sweep")
-    ax.legend()
+    ax.legend(fontsize=8)
 
 
 def _plot_multiturn(ax, d: dict) -> None:
@@ -238,35 +299,146 @@ def _plot_multiturn(ax, d: dict) -> None:
     turns = [t["turn"] for t in d["turns"]]
     for key, label, style in (("ttft_off_s", "TTFT, prefix cache off", "s--"), ("ttft_on_s", "TTFT, prefix cache on", "o-"),
                               ("prefill_suffix_s", "prefill(suffix) only", "^:")):
-        ax.plot(turns, [t[key] for t in d["turns"]], style, label=label)
+        ax.plot(turns, [_num(t.get(key)) for t in d["turns"]], style, label=label)
     ax.set_yscale("log")
     ax.set_xticks(turns)
     ax.set_xlabel("turn")
     ax.set_ylabel("seconds")
     ax.set_title("3. multi-turn image chat")
-    ax.legend()
+    ax.legend(fontsize=8)
 
 
-def _ratio_target(r: dict) -> float | None:
-    """The number in a ratio target like "≤ 0.25" (None for absolute ones like "< 50 ms")."""
-    try:
-        return float((r["target"] or "").split()[-1])
-    except (ValueError, IndexError):
-        return None
+def target_rows(summary: list[dict]) -> list[dict]:
+    """One entry per summary row that has a target (or failed without one: an error is a miss):
+    {label, kind ("floor", "ceiling", "check", "failed"), measured, target, margin, ok, text}.
+    `measured` is what the target is about: the ratio for a bare-number target ("≥ 2.5"), the value
+    for a target with a unit ("< 50 ms", "≤ 2 s") or with no ratio, |value - baseline| for a
+    "|diff| ≤ x" target. `margin` (right = better): measured / target for a floor, target /
+    measured for a ceiling; 1 is the target; NaN where there is none."""
+    out = []
+    for r in summary:
+        target, ok = r.get("target"), r.get("ok")
+        if not target and ok is not False:
+            continue
+        label = f"{r['scenario']}: {r['metric']}"
+        entry = {"label": label, "ok": ok, "target": target, "measured": float("nan"), "margin": float("nan")}
+        if not target:
+            entry.update(kind="failed", text=textwrap.shorten(str(r["value"]), 52, placeholder=" …"))
+        elif target.strip() == "true":
+            entry.update(kind="check", text=f"{'yes' if r['value'] is True else fmt(r['value'])}   target yes")
+        else:
+            entry.update(_parse_target(r))
+        out.append(entry)
+    return out
 
 
-def _plot_targets(ax, rows: list[dict]) -> None:
-    rows = [r for r in rows if _ratio_target(r) is not None and isinstance(r["ratio"], float)
-            and not math.isnan(r["ratio"])]
+def _parse_target(r: dict) -> dict:
+    words = r["target"].split()
+    diff = words[0] == "|diff|"
+    if diff:
+        words = words[1:]
+    op, bound, unit = words[0], float(words[1]), " ".join(words[2:])
+    kind = "floor" if op in ("≥", ">") else "ceiling"
+    value, baseline, u = _num(r["value"]), _num(r["baseline"]), r.get("unit") or ""
+    if diff:
+        measured = abs(value - baseline)
+        shown = f"|diff| {measured:.3f}  ({_short(value)} vs {_short(baseline)})"
+    elif unit or (r.get("ratio") is None and r.get("baseline") is None):  # about the value itself (GPU busy)
+        measured = value
+        shown = f"{_short(measured)} {unit or u}".strip()
+    else:
+        measured = _num(r["ratio"])
+        shown = _short(measured) + (f"  ({_short(value)} / {_short(baseline)} {u})".replace(" )", ")")
+                                    if not (math.isnan(value) or math.isnan(baseline)) else "")
+    if math.isnan(measured):
+        margin = float("nan")
+    elif kind == "floor":
+        margin = measured / bound if bound else math.inf
+    else:
+        margin = bound / measured if measured else math.inf
+    return {"kind": kind, "measured": measured, "margin": margin, "text": f"{shown}   target {r['target']}  ({kind})"}
+
+
+def _short(v: float) -> str:
+    if math.isnan(v):
+        return "n/a"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def _plot_targets(fig, ax, rows: list[dict]) -> None:
+    passed = sum(r["ok"] is True for r in rows)
+    ax.set_title(f"Targets: {passed} of {len(rows)} met", fontsize=13, weight="bold", loc="left", pad=24,
+                 color=PASS if passed == len(rows) else FAIL)
+    ax.text(0, 1.005, "the black line is the target; right of it is met (log scale)", transform=ax.transAxes,
+            ha="left", va="bottom", fontsize=9, color="#444444")
     if not rows:
-        return _empty(ax, "ratios vs targets")
-    labels = [textwrap.fill(f"{r['scenario'].split()[0]}. {r['metric']}", 34) for r in rows]
-    colors = ["C2" if r["ok"] else "C3" for r in rows]
-    y = range(len(rows))
-    ax.barh(list(y), [r["ratio"] for r in rows], color=colors)
+        ax.text(0.5, 0.5, "no targets in this run", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    lo, hi = MARGIN_MIN, MARGIN_MAX
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.axvspan(1, hi, color=PASS, alpha=0.08, lw=0)
+    ax.axvspan(lo, 1, color=FAIL, alpha=0.08, lw=0)
+    ax.axvline(1, color="black", lw=1.5, zorder=3)
+    # the columns right of the panel, in figure x and row y
+    cols = transforms.blended_transform_factory(fig.transFigure, ax.transData)
+    for x, head in ((0.713, "result"), (0.765, "measured"), (0.895, "target")):
+        ax.text(x, -0.75, head, transform=cols, ha="left", va="bottom", fontsize=9, color="#444444", clip_on=False)
     for i, r in enumerate(rows):
-        ax.plot([_ratio_target(r)] * 2, [i - 0.4, i + 0.4], "k-")
-    ax.set_yticks(list(y), labels, fontsize=6.5)
-    ax.invert_yaxis()
-    ax.set_xlabel("ratio (black line: target; green: met)")
-    ax.set_title("ratios vs targets")
+        if i % 2 == 0:  # stripes across labels, bars and columns, to follow a row
+            fig.patches.append(Rectangle((0.005, i - 0.5), 0.99, 1, transform=cols, color="black", alpha=0.04,
+                                         lw=0, zorder=0))
+        color = PASS if r["ok"] is True else FAIL if r["ok"] is False else UNKNOWN
+        m = r["margin"]
+        if r["kind"] in ("floor", "ceiling") and not math.isnan(m):
+            shown = min(max(m, lo), hi)
+            ax.barh(i, max(shown, 1) - min(shown, 1), left=min(shown, 1), height=0.56, color=color, zorder=2)
+            if m != shown:  # beyond the panel: an arrow at the edge
+                ax.plot(shown, i, ">" if m > hi else "<", color=color, ms=10, zorder=4, clip_on=False)
+            else:  # the measured point, visible even a hair from the target
+                ax.plot(shown, i, "o", color=color, ms=6, markeredgecolor="black", markeredgewidth=0.7, zorder=4)
+            # the kind of target: ≥ a floor, ≤ a ceiling
+            ax.text(lo * 1.06, i, "≥ floor" if r["kind"] == "floor" else "≤ ceiling", ha="left", va="center",
+                    fontsize=9, weight="bold", color="#333333", zorder=5)
+        else:  # a yes/no check, an error, or nothing to compare (n/a)
+            ax.plot(1, i, "o", color=color, ms=11, zorder=5, markeredgecolor="black")
+        mark = "✓ pass" if r["ok"] is True else "✗ FAIL" if r["ok"] is False else "? n/a"
+        ax.text(0.713, i, mark, transform=cols, ha="left", va="center", fontsize=10, color=color, weight="bold")
+        measured, _, target = r["text"].partition("   target ")
+        ax.text(0.765, i, measured, transform=cols, ha="left", va="center", fontsize=9.5)
+        ax.text(0.895, i, target, transform=cols, ha="left", va="center", fontsize=9.5)
+    ticks = [lo * 2 ** k for k in range(int(round(math.log2(hi / lo))) + 1)]
+    ax.set_xticks(ticks, [_tick(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_yticks(range(len(rows)), [textwrap.fill(r["label"], 66, max_lines=2, placeholder=" …") for r in rows],
+                  fontsize=9, linespacing=1.0)
+    ax.tick_params(axis="y", length=0)
+    for tick, r in zip(ax.get_yticklabels(), rows):
+        tick.set_color(FAIL if r["ok"] is False else "black")
+    ax.set_xlabel("margin to the target: measured / target for a floor (≥), target / measured for a ceiling (≤)",
+                  fontsize=9)
+
+
+def _tick(t: float) -> str:
+    if t == 1:
+        return "1\ntarget"
+    return f"{t:g}×" if t > 1 else f"1/{1 / t:g}"
+
+
+def replot(source: str | Path, png: str | Path | None = None) -> Path:
+    """Renders the PNG again from a saved report.json (a results directory or the file itself), into
+    `png` (default: report.png beside it): to redraw old runs after the plot changes."""
+    source = Path(source)
+    path = source / "report.json" if source.is_dir() else source
+    report = json.loads(path.read_text())
+    out = Path(png) if png else path.with_name("report.png")
+    plot(report, out)
+    return out
+
+
+if __name__ == "__main__":  # python -m mmserve.bench.report RESULTS_DIR [OUT.png]
+    import sys
+
+    print(replot(*sys.argv[1:3]))
