@@ -301,6 +301,7 @@ def test_sigterm_stops_the_benchmark_and_its_redis(tmp_path, processes):
     assert processes.left() == []
 
 
+@pytest.mark.slow  # ~10 s: a fresh interpreter runs the benchmark up to Redis
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_redis_dies_with_a_benchmark_that_was_killed(tmp_path, processes):
     out = tmp_path / "out"

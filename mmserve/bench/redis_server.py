@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 import trio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from mmserve.bench.processes import die_with_parent, stop_now
 
@@ -87,7 +89,9 @@ class RedisServer:
         # synchronous by design: tests call it directly, the benchmark from a worker thread
         # (astart), so no event loop is ever blocked by this readiness poll
         proc, deadline = self.proc, time.monotonic() + START_TIMEOUT_S
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        # one try per poll (redis-py's default retries would spend ~10 s on a port that never answers)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                             retry=Retry(NoBackoff(), 0))
         try:
             while True:
                 if proc.poll() is not None:
