@@ -27,8 +27,8 @@ from tests.helpers import ServerThread, ask, assert_nothing_held, colour_questio
 from tests.test_e2e_openai import HealthProbe
 
 FAILED = re.compile(r"request ([0-9a-f]{32}) failed in ")
-# every per-request fault point (generator.step, the batched forward, is the actor's own)
-PER_REQUEST_POINTS = [p for p in faults.POINTS if p != "generator.step"]
+# every per-request fault point (the batched forward and the KV manager's own messages are the actors')
+PER_REQUEST_POINTS = [p for p in faults.POINTS if p not in faults.ACTOR_WIDE]
 # the points every request passes (a re-encode happens only after a preemption: test_preemption.py)
 REQUEST_POINTS = [p for p in PER_REQUEST_POINTS if p != "generator.reencode"]
 

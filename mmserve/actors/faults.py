@@ -43,6 +43,10 @@ POINTS = {
 }
 
 
+# points where a fault is the actor's own (it dies and is restarted), not one request's
+ACTOR_WIDE = frozenset({"generator.step", "prefix.allocate", "prefix.release", "prefix.resume", "prefix.fork"})
+
+
 class InjectedFault(RuntimeError):
     """Raised at a fault point configured to `raise`."""
 

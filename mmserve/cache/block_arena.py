@@ -1,14 +1,12 @@
 """The KV arena's bookkeeping: blocks, block tables, refcounts, hash → block, LRU (DESIGN.md F3, F5).
 
-Pure and synchronous: no trio, no logging, no tensors. The PrefixCacheManager actor owns one
-`BlockArena` per model; the Generator holds the arena's memory (the KV tensors, indexed by block id)
-and writes KV only into blocks this bookkeeping granted. Every change is reported by return value
-so the actor can log it.
+Pure and synchronous: no trio, no logging, no tensors. The PrefixCacheManager actor owns one per
+model; the Generator holds the KV tensors (indexed by block id) and writes only into blocks granted
+here. Every change is reported by return value so the actor can log it.
 
-The model: one arena of `num_blocks` fixed-size blocks holds the KV of running sequences **and**
-of cached prefixes alike; there is no separate cache pool and nothing is ever copied between the
-two. Each owner (a request's internal id, any hashable) has a block table, the ordered list of
-block ids its sequence's KV lives in. Each block is in exactly one of three states:
+One arena of `num_blocks` fixed-size blocks holds the KV of running sequences **and** of cached
+prefixes alike (no separate pool, nothing copied between the two). Each owner (a request's internal
+id, any hashable) has a block table, the ordered block ids its KV lives in. A block is either:
 
 - free: holds nothing anyone can name (no hash, no reference); handed out so that each table
   stays one run of consecutive ids where it can (see `allocate_evicting`);
@@ -17,19 +15,18 @@ block ids its sequence's KV lives in. Each block is in exactly one of three stat
 - evictable: cached (it has a hash) and referenced by nobody; kept in LRU order, and reused by
   `allocate` only when no free block is left.
 
-A cache hit is block ids that start the hitting owner's (empty) table: zero bytes copied. A commit is
-bookkeeping only: it records that an owner's full block holds the content its hash names, so a
-later `lookup` can share it.
+A cache hit is block ids that start the hitting owner's (empty) table: zero bytes copied. A commit
+records that an owner's full block holds the content its hash names, so a later `lookup` shares it.
 
 Rules, and the failure each closes: blocks are assigned only by `allocate` (F3), free ones first
-(placed to keep tables consecutive), then the least-recently-released evictable one, whose hash entry is erased in the same
-step (a reused block never keeps a stale entry); `allocate` is all-or-nothing (`ArenaFull` changes
-nothing); `free`/`truncate` only drop references (an abort erases, evicts, reassigns nothing);
-`commit` registers a hash at most once (a duplicate stays private) and a block holds one content;
-`lookup` only starts an empty table (a hit is always a prefix, and never shifts the indices of
-blocks its owner already holds); `transfer` hands a whole table to an owner holding nothing; eviction is least recently *released* first,
-a chain from its tail (what stays cached is still a usable prefix), and a hit takes a block out of
-the LRU order (F5); `can_allocate(n)` is true exactly when `allocate(owner, n)` would succeed.
+(placed to keep tables consecutive), then the least recently released evictable one, its hash
+entry erased in the same step; `allocate` is all-or-nothing (`ArenaFull` changes nothing);
+`free`/`truncate` only drop references (an abort erases, evicts, reassigns nothing); `commit`
+registers a hash at most once (a duplicate stays private), one content per block; `lookup` only
+starts an empty table and `transfer` hands a table to an owner holding nothing (hits never shift
+the indices of blocks an owner holds); eviction is least recently *released* first, a chain
+from its tail, and a hit takes a block out of the LRU order (F5); `can_allocate(n)` is true
+exactly when `allocate(owner, n)` would succeed.
 """
 
 from __future__ import annotations
@@ -127,15 +124,13 @@ class BlockArena:
     def lookup(self, hashes: Sequence[bytes], owner: Hashable) -> list[int]:
         """Blocks of the longest cached prefix of `hashes`: they start `owner`'s table.
 
-        Hits are only ever placed at the start of an empty table (ValueError otherwise, changing
-        nothing): appended after blocks the owner already holds, they would shift every index its
-        holder commits by. Each found block gets one more reference (an evictable one leaves the
-        LRU order); a miss changes nothing.
+        Only ever at the start of an empty table (ValueError otherwise, changing nothing): after
+        blocks the owner holds, hits would shift the indices it commits by. Each found block gets
+        one more reference (an evictable one leaves the LRU order); a miss changes nothing.
         """
         _check_hashes(hashes)
         if owner in self._tables:
-            raise ValueError(f"owner {owner!r} holds {len(self._tables[owner])} blocks: a lookup starts an "
-                             "empty table")
+            raise ValueError(f"owner {owner!r} holds blocks: a lookup starts an empty table")
         blocks: list[int] = []
         for h in hashes:
             block = self._block_of.get(h)
@@ -152,17 +147,12 @@ class BlockArena:
 
     def transfer(self, src: Hashable, dst: Hashable) -> list[int]:
         """`src`'s whole table becomes `dst`'s, which must hold nothing (ValueError otherwise,
-        changing nothing); refcounts are unchanged. A lookup's hits are held under a pin of their
-        own until the answer is delivered, then handed to the request this way."""
-        if src == dst:
-            raise ValueError(f"cannot transfer {src!r}'s table to itself")
-        if dst in self._tables:
-            raise ValueError(f"owner {dst!r} holds {len(self._tables[dst])} blocks: a transfer starts an "
-                             "empty table")
-        table = self._tables.pop(src, None)
-        if table is None:
-            return []
-        self._tables[dst] = table
+        changing nothing); refcounts are unchanged (a lookup's pinned hits, once delivered)."""
+        if src == dst or dst in self._tables:
+            raise ValueError(f"cannot transfer {src!r}'s table to {dst!r}: a transfer starts an empty table")
+        table = self._tables.pop(src, [])
+        if table:
+            self._tables[dst] = table
         return list(table)
 
     def allocate(self, owner: Hashable, n: int) -> list[int]:
@@ -207,8 +197,7 @@ class BlockArena:
             _check_count(n)
         table = self._tables.get(src, [])
         if start + count > len(table) or src == dst:
-            raise ValueError(f"owner {src!r} holds {len(table)} blocks: cannot share [{start}, "
-                             f"{start + count}) with {dst!r}")
+            raise ValueError(f"owner {src!r} holds {len(table)} blocks: cannot share [{start}, {start + count}) with {dst!r}")
         blocks = table[start:start + count]
         for block in blocks:
             self._ref(block)
@@ -217,12 +206,10 @@ class BlockArena:
         return blocks
 
     def commit(self, owner: Hashable, index: int, block_hash: bytes) -> bool:
-        """Record that `owner`'s table[index] is full and holds the content `block_hash` names.
-
-        Returns True when hash → block was registered; False, changing nothing, when the hash is
-        already cached in another block (the owner's block stays private) or already names this
-        very block. A block that has a different hash is refused (ValueError).
-        """
+        """Record that `owner`'s table[index] is full and holds the content `block_hash` names:
+        True when hash → block was registered; False, changing nothing, when the hash is cached in
+        another block (this one stays private) or names this one already; ValueError when the
+        block has another hash."""
         _check_hashes([block_hash])
         table = self._tables.get(owner)
         if not table:
@@ -234,8 +221,7 @@ class BlockArena:
         if old is not None:
             if old == block_hash:
                 return False  # already committed with this content (e.g. a lookup hit)
-            raise ValueError(f"block {block} already holds {key_prefix(old)}; it cannot be "
-                             f"committed again as {key_prefix(block_hash)}")
+            raise ValueError(f"block {block} holds {key_prefix(old)}: it cannot be committed as {key_prefix(block_hash)}")
         if block_hash in self._block_of:
             self._duplicate_commits += 1
             return False
@@ -396,9 +382,8 @@ class BlockArena:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"BlockArena(num_blocks={s.num_blocks}, free={s.free_blocks}, "
-                f"evictable={s.evictable_blocks}, referenced={s.referenced_blocks}, "
-                f"cached={s.cached_blocks})")
+        return (f"BlockArena(num_blocks={s.num_blocks}, free={s.free_blocks}, evictable={s.evictable_blocks}, "
+                f"referenced={s.referenced_blocks}, cached={s.cached_blocks})")
 
     # -- internals -----------------------------------------------------------------------------
 
