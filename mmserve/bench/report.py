@@ -207,17 +207,19 @@ MARGIN_MIN, MARGIN_MAX = 1 / 8, 8  # the targets panel's x range; margins beyond
 def plot(report: dict, path: Path) -> None:
     sc, meta = report["scenarios"], report["meta"]
     targets = target_rows(report["summary"])
-    top_h, row_h = 3.6, 0.42
+    # the top row only when one of its scenarios ran (`--scenarios replicas`: the targets alone)
+    panels = [(draw, sc.get(name) or {}) for draw, name in
+              ((_plot_decode, "decode"), (_plot_concurrency, "concurrency"), (_plot_multiturn, "multiturn"))]
+    shown = any(d.get("status") == "ok" for _, d in panels)
+    top_h, row_h = (3.6 if shown else 0.0), 0.42
     bottom_h = max(1.5, row_h * len(targets) + 1.3)
     lines, warning = _header_lines(meta)
     head_h = 0.55 + 0.19 * len(lines) + (0.25 if warning else 0.2)
-    fig = plt.figure(figsize=(16, head_h + top_h + bottom_h))
     total = head_h + top_h + bottom_h
-    for i, draw in enumerate((_plot_decode, _plot_concurrency, _plot_multiturn)):
-        # [left, bottom, width, height] in figure fractions
-        ax = fig.add_axes([0.05 + i * 0.33, (bottom_h + 0.55) / total, 0.26, (top_h - 0.95) / total])
-        draw(ax, {"decode": sc.get("decode", {}), "concurrency": sc.get("concurrency", {}),
-                  "multiturn": sc.get("multiturn", {})}[("decode", "concurrency", "multiturn")[i]])
+    fig = plt.figure(figsize=(16, total))
+    if shown:
+        for i, (draw, data) in enumerate(panels):  # [left, bottom, width, height] in figure fractions
+            draw(fig.add_axes([0.05 + i * 0.33, (bottom_h + 0.55) / total, 0.26, (top_h - 0.95) / total]), data)
     ax = fig.add_axes([0.40, 0.75 / total, 0.30, (bottom_h - 1.3) / total if targets else 0.6 / total])
     _plot_targets(fig, ax, targets)
     title = _model_title(meta).replace("`", "")

@@ -60,7 +60,7 @@ def _trio_run(fn, *args):
         return trio.run(fn, *args)
     except BaseExceptionGroup as group:
         if group.split(KeyboardInterrupt)[0] is not None:
-            raise KeyboardInterrupt from group
+            raise KeyboardInterrupt from None  # where it landed in the nurseries says nothing
         raise
 
 
