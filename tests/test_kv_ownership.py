@@ -320,7 +320,7 @@ class OwnershipMachine(RuleBasedStateMachine):
             return
         r = self.pick(data, holding)
         r.table, r.committed, r.epoch = [], 0, None
-        self.send(Release(r.rid))
+        self.send(Release(r.rid, final=False))
 
     @rule(data=st.data(), late=st.booleans(), crash=st.integers(0, 9))
     def resume(self, data, late, crash):

@@ -53,7 +53,7 @@ class BlockGrants:
         victim = newest([s for s in self.seqs if s.state in LIVE and s is not spare and s.table])
         if victim is None:
             return None
-        self._release(victim)
+        self._release(victim, final=False)
         victim.kv_len, victim.committed = 0, 0
         victim.resumable = victim.chain is not None and bool(victim.hashes)
         if victim.state is SeqState.DECODING:

@@ -175,9 +175,9 @@ class Generator(BlockGrants, Answers, Actor):
             seq.handle.emit(finish)
         self._release(seq, finish=(seq.handle, finish) if later else None)
 
-    def _release(self, seq: Sequence, finish=None) -> None:
+    def _release(self, seq: Sequence, finish=None, final: bool = True) -> None:
         if seq.registered or seq.table:
-            self.cache_manager.send_nowait(Release(seq.kv_owner, finish))
+            self.cache_manager.send_nowait(Release(seq.kv_owner, finish, final))
         seq.table = []
         seq.registered = False
         seq.epoch = None  # it holds nothing: a restart of the manager no longer concerns it

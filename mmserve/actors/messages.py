@@ -195,10 +195,11 @@ class Release:
     """The request holds none of its blocks any more (it finished, aborted, failed or was
     preempted). Its committed blocks stay cached, evictable; no entry is touched. `finish`: the
     request's last event, which the manager delivers once the blocks it committed are in the
-    shared tier."""
+    shared tier. `final`: the request has ended (False for a preemption: it will run again)."""
 
     request_id: str
     finish: tuple[RequestHandle, FinishEvent] | None = None
+    final: bool = True
 
 
 @dataclass(frozen=True)

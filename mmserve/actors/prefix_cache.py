@@ -286,7 +286,8 @@ class PrefixCacheManager(Actor):
         rid = msg.request_id
         self.arena.free(rid)
         self.arena.free(lookup_pin(rid))  # a lookup still pending for it (parked: `_done`) answers no one
-        self.looked_up.discard(rid)
+        if msg.final:  # a preempted request runs again: a lookup for it is still a duplicate
+            self.looked_up.discard(rid)
         self.log.info("prefix_cache.release", request_id=rid)
         self._done(rid)
 
