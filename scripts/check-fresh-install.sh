@@ -54,8 +54,9 @@ cleanup() {
         echo "check-fresh-install: the server's last log lines:" >&2
         tail -n 15 "$log" >&2
     fi
+    [ "$status" -ne 0 ] || step "passed; removing $tmp"
     rm -rf "$tmp"
-    [ "$status" -ne 0 ] || step "passed in $((SECONDS - started)) s (the environment removed)"
+    [ "$status" -ne 0 ] || step "done in $((SECONDS - started)) s"
     exit "$status"
 }
 trap cleanup EXIT
@@ -138,3 +139,4 @@ EOF
 step "stopping the server (SIGTERM)"
 stop_server
 [ "$server_status" = 0 ] || fail "the server exited with status $server_status after SIGTERM (expected 0: drained)"
+step "the server stopped (status 0)"
