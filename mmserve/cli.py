@@ -137,7 +137,11 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"mmserve bench: {err}", file=sys.stderr)
         return 2
-    report = run_bench(args.out, params, model_dir=args.model_dir)
+    try:
+        report = run_bench(args.out, params, model_dir=args.model_dir)
+    except KeyboardInterrupt:  # the bench stopped every process it started; no traceback for a Ctrl-C
+        print("mmserve bench: interrupted; no report written", file=sys.stderr)
+        return 130
     print(report["paths"]["md"])
     return 0 if all(r.get("status") in ("ok", "skipped") for r in report["scenarios"].values()) else 1
 

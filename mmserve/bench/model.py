@@ -40,8 +40,8 @@ would only be written to be read back)."""
 
 
 def family(model_dir) -> str:
-    """The checkpoint's model_type as the benchmark treats it: "qwen2_vl", else "llava" (what
-    `load_adapter` takes a missing or unreadable config.json for, too)."""
+    """The checkpoint's model_type as the benchmark treats it: "qwen2_vl", else "llava" (a directory
+    without a readable config.json is refused by `load_adapter` before the benchmark reaches it)."""
     return QWEN if model_type(model_dir) == QWEN else "llava"
 
 
