@@ -82,7 +82,7 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
                      ("write_queue", 0), ("write_batch", 0), ("backoff_s", 0), ("max_backoff_s", 0.5),
                      ("socket_timeout_s", -1), ("finish_flush_ms", -1)],
     "models": [("name", ""), ("path", ""), ("path", "/no/such/checkpoint"), ("path", "builtin:no-such-demo"),
-               ("default", "yes"), ("load", "lazy")],
+               ("default", "yes"), ("load", "lazy"), ("tool_parser", "mistral"), ("tool_parser", 1)],
 }
 CASES = [(s, k, v) for s, rows in BAD.items() for k, v in rows]
 assert {s for s in BAD if s != "models"} == set(SECTIONS)

@@ -87,7 +87,7 @@ CORPUS = [
     ("repetition penalty zero", {**msgs(U), "repetition_penalty": 0}, 400),
     ("response_format bad schema", {**msgs(U), "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, 400),
     ("response_format unknown type", {**msgs(U), "response_format": {"type": "yaml"}}, 400),
-    ("tools", {**msgs(U), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("tools", {**msgs(U), "tools": [{"type": "function", "function": {"name": "no spaces allowed"}}]}, 400),
     ("presence penalty absurd", {**msgs(U), "presence_penalty": 2.5}, 400), ("frequency penalty absurd", {**msgs(U), "frequency_penalty": 99}, 400),
     ("logit bias", {**msgs(U), "logit_bias": {"5": 10}}, 400), ("unknown field", {**msgs(U), "temprature": 0.5}, 400),
     ("cache_salt number", {**msgs(U), "cache_salt": 5}, 400), ("cache_salt empty", {**msgs(U), "cache_salt": ""}, 400),
@@ -137,11 +137,13 @@ SHALLOW = st.recursive(LEAF, lambda inner: st.lists(inner, max_size=3) | st.dict
 DEEP = st.builds(nest, SHALLOW, st.integers(55, 3_000), st.booleans())  # around max_json_depth, and far past it
 JSON = SHALLOW | DEEP
 KEYS = st.sampled_from(["model", "messages", "temperature", "top_p", "max_tokens", "stop", "stream", "seed",
-                        "stream_options", "n", "top_k", "cache_salt", "tools", "user", "metadata"]) | TEXT
+                        "stream_options", "n", "top_k", "cache_salt", "tools", "tool_choice", "parallel_tool_calls",
+                        "user", "metadata"]) | TEXT
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | JSON},
                                 optional={"content": JSON | st.lists(st.fixed_dictionaries(
                                     {"type": st.sampled_from(["text", "image_url", "x"]) | JSON},
-                                    optional={"text": JSON, "image_url": JSON}), max_size=3)})
+                                    optional={"text": JSON, "image_url": JSON}), max_size=3),
+                                          "tool_calls": JSON, "tool_call_id": JSON})
 
 
 @settings(max_examples=400, deadline=None)

@@ -59,7 +59,11 @@ def test_stream_options():
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}, *USER]}, "messages[0].tool_calls[0]"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
@@ -93,8 +97,8 @@ def test_bad_requests_name_their_parameter(body, param):
 
 
 @pytest.mark.parametrize("body", [
-    {"tools": [{"type": "function"}]}, {"tool_choice": "required"}, {"modalities": ["audio"]},
-    {"logit_bias": {"1": 2}}, {"audio": {"voice": "x"}}, {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}, *USER]},
+    {"functions": [{"name": "f"}]}, {"function_call": {"name": "f"}}, {"modalities": ["audio"]},
+    {"logit_bias": {"1": 2}}, {"audio": {"voice": "x"}},
 ])
 def test_unsupported_features_are_refused_not_ignored(body):
     with pytest.raises(UnsupportedParameter) as info:

@@ -27,18 +27,39 @@ from mmserve.config import KVCacheConfig, LimitsConfig
 from mmserve.inputs.images import data_url_bytes, open_image
 from mmserve.inputs.remote_images import fetch_images, is_remote_url
 from mmserve.inputs.request import ChatRequest, ImagePart, TextPart
+from mmserve.inputs.tools import hf_tool_calls
 
 
 def hf_messages(request: ChatRequest) -> list[dict]:
-    """The request's messages in the shape transformers' chat templates take."""
+    """The request's messages in the shape transformers' chat templates take. Tool messages and
+    assistant messages with calls carry their text as a string (templates print it as is)."""
     out = []
     for m in request.messages:
+        if m.role == "tool" or m.tool_calls:
+            text = "".join(p.text for p in m.parts if isinstance(p, TextPart))
+            msg = {"role": m.role, "content": (text or None) if m.tool_calls else text}
+            if m.tool_calls:
+                msg["tool_calls"] = hf_tool_calls(m.tool_calls)
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+            continue
         content = [
             {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
             for p in m.parts
         ]
         out.append({"role": m.role, "content": content})
     return out
+
+
+def hf_tools(adapter: Adapter, request: ChatRequest) -> list[dict] | None:
+    """The tools the model is shown (none for tool_choice "none"); a BadRequest when its chat
+    template would not show them."""
+    tools = request.tools.rendered() if request.tools is not None else None
+    if tools and not adapter.renders_tools:
+        raise BadRequest(f"model {adapter.name!r} cannot be given tools: its chat template does not render them "
+                         "(transformers' apply_chat_template(tools=...))", param="tools")
+    return tools
 
 
 def _image_parts(request: ChatRequest):
@@ -86,7 +107,7 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
     fault("intake.prepare", label)
     for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
         check_image_size(adapter.image_processor, img.width, img.height, limits, where)
-    prompt = adapter.tokenize(hf_messages(request), images)
+    prompt = adapter.tokenize(hf_messages(request), images, hf_tools(adapter, request))
     keys = tuple(adapter.image_key(img) for img in images)
     prompt = dataclasses.replace(prompt, mm_keys=keys)
     if len(prompt.input_ids) > limits.max_prompt_tokens:

@@ -247,6 +247,8 @@ async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
         while True:
             if delta.text or delta.logprobs:
                 yield event({"content": delta.text}, index=delta.index, tokens=delta.logprobs)
+            for piece in delta.tool_calls:  # one chunk each, as OpenAI sends them
+                yield event({"tool_calls": [openai_json.tool_call_delta(piece)]}, index=delta.index)
             if delta.finish_reason is not None:
                 yield event({}, delta.finish_reason, delta.index)
                 if stream.done:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from mmserve.runtime.stream import ChatCompletion, TokenLogprob, Usage
+from mmserve.generation.tool_calls import ToolCallDelta
+from mmserve.runtime.stream import ChatCompletion, Choice, TokenLogprob, Usage
 
 DONE = "data: [DONE]\n\n"
 
@@ -25,11 +26,28 @@ def completion(c: ChatCompletion) -> dict:
         "object": "chat.completion",
         "created": c.created,
         "model": c.model,
-        "choices": [{"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+        "choices": [{"index": ch.index, "message": message(ch),
                      "finish_reason": ch.finish_reason, "logprobs": logprobs(ch.logprobs)}
                     for ch in c.choices],
         "usage": usage(c.usage),
     }
+
+
+def message(ch: Choice) -> dict:
+    """A choice's message: with tool calls, `tool_calls` (and `content` null when it is only calls)."""
+    if not ch.tool_calls:
+        return {"role": "assistant", "content": ch.text}
+    return {"role": "assistant", "content": ch.text or None,
+            "tool_calls": [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+                           for t in ch.tool_calls]}
+
+
+def tool_call_delta(d: ToolCallDelta) -> dict:
+    """A stream's piece of a call: the first has its id, type and name (arguments ""), the rest
+    a fragment of the arguments each, as OpenAI streams them."""
+    if d.id is None:
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+    return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
 
 
 def logprobs(tokens: tuple[TokenLogprob, ...] | None) -> dict | None:

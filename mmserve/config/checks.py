@@ -17,6 +17,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's names (Image.format), upper case
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_PARSERS = ("hermes",)  # [models.x] tool_parser: mmserve.generation.tool_calls has one parser each
 DEVICE = re.compile(r"(cpu|mps|cuda(:[0-9]+)?)")
 
 # the committed demo checkpoints (`builtin:NAME`); models/demo builds and reads them here

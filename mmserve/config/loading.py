@@ -89,7 +89,7 @@ def with_models(config: Config, names: list[str]) -> Config:
             if Path(name).expanduser().is_dir():
                 m = ModelConfig(Path(name).name, str(Path(name).expanduser().resolve()))
             elif name in known_builtins():
-                m = ModelConfig(name, BUILTIN_PREFIX + name)
+                m = ModelConfig(name, BUILTIN_PREFIX + name, tool_parser="hermes")  # their templates' format
             else:
                 raise ValueError(f"--model {name!r}: not in the config and not a directory")
         models.append(dataclasses.replace(m, default=(i == 0)))

@@ -12,7 +12,7 @@ from typing import Any
 
 from mmserve.config.checks import (
     BUILTIN_PREFIX, DEMO_CHECKPOINTS, DEVICE, DTYPES, HASH_ALGORITHMS, IMAGE_FORMATS, LOG_FORMATS, LOG_LEVELS,
-    check_bool, check_choice, check_int, check_number, check_str, check_strings, fail)
+    TOOL_PARSERS, check_bool, check_choice, check_int, check_number, check_str, check_strings, fail)
 from mmserve.config.hosts import normalize_host_pattern
 
 
@@ -22,6 +22,7 @@ class ModelConfig:
     path: str
     default: bool = False
     load: str | None = None  # "eager" | "on_demand"; None: eager for the default model only
+    tool_parser: str | None = None  # how tool_choice "auto" finds calls in its answers; None: refused
 
     def __post_init__(self) -> None:
         check_str("[[models]]", "name", self.name)
@@ -30,6 +31,8 @@ class ModelConfig:
         check_bool(w, "default", self.default)
         if self.load is not None:
             check_choice(w, "load", self.load, ("eager", "on_demand"))
+        if self.tool_parser is not None:
+            check_choice(w, "tool_parser", self.tool_parser, TOOL_PARSERS)
 
     @property
     def eager(self) -> bool:
@@ -320,7 +323,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class Config:
-    models: tuple[ModelConfig, ...] = (ModelConfig("demo", "builtin:demo", default=True),)
+    models: tuple[ModelConfig, ...] = (ModelConfig("demo", "builtin:demo", default=True, tool_parser="hermes"),)
     server: ServerConfig = field(default_factory=ServerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

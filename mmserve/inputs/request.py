@@ -17,6 +17,8 @@ from mmserve.config import LimitsConfig
 from mmserve.inputs.remote_images import check_url, is_remote_url
 from mmserve.generation.grammar import grammar_for
 from mmserve.generation.sampling import SamplingParams
+from mmserve.generation.tool_calls import ToolCall
+from mmserve.inputs.tools import Tools, parse_tool_call_id, parse_tool_calls, parse_tools
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class ImagePart:
 class Message:
     role: str
     parts: tuple[TextPart | ImagePart, ...]
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     @property
     def images(self) -> tuple[ImagePart, ...]:
@@ -51,13 +55,14 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    tools: Tools | None = None  # tools, tool_choice, parallel_tool_calls (mmserve.inputs.tools)
 
     @property
     def num_images(self) -> int:
         return sum(len(m.images) for m in self.messages)
 
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 _KNOWN = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -182,10 +187,10 @@ MAX_TOP_LOGPROBS = 20
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for key in ("tools", "functions", "logit_bias", "audio", "prediction", "web_search_options"):
+    for key in ("functions", "logit_bias", "audio", "prediction", "web_search_options"):
         if body.get(key):
             raise UnsupportedParameter(f"'{key}' is not supported by mmserve", param=key)
-    for key in ("tool_choice", "function_call", "reasoning_effort"):
+    for key in ("function_call", "reasoning_effort"):
         if body.get(key) not in (None, "none", "auto"):
             raise UnsupportedParameter(f"'{key}' is not supported by mmserve", param=key)
     modalities = body.get("modalities")
@@ -307,12 +312,17 @@ def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
             raise BadRequest(f"{where} must be an object with 'role' and 'content'", param=where)
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
-            extra = " (tool calls are not supported)" if role in ("tool", "function") else ""
+            extra = " (use 'tool' messages)" if role == "function" else ""
             raise BadRequest(f"{where}.role must be one of {sorted(_ROLES)}, got {clip(role)}{extra}",
                              param=f"{where}.role")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise UnsupportedParameter(f"{where}: tool calls are not supported", param=f"{where}.tool_calls")
-        messages.append(Message("system" if role == "developer" else role, _parts(m.get("content"), where, role, limits)))
+        if m.get("function_call"):
+            raise UnsupportedParameter(f"{where}: 'function_call' is not supported; use 'tool_calls'",
+                                       param=f"{where}.function_call")
+        calls = parse_tool_calls(m["tool_calls"], where, role) if m.get("tool_calls") else ()
+        content = m.get("content")
+        parts = () if calls and content in (None, "", []) else _parts(content, where, role, limits)
+        call_id = parse_tool_call_id(m, where) if role == "tool" else None
+        messages.append(Message("system" if role == "developer" else role, parts, calls, call_id))
     if messages[-1].role == "assistant":
         raise BadRequest("the last message must not be from the assistant: nothing to answer", param="messages")
     n_images = sum(len(m.images) for m in messages)
@@ -363,4 +373,5 @@ def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> C
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         cache_salt=salt,
+        tools=parse_tools(body),
     )

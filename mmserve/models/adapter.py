@@ -127,12 +127,13 @@ class Adapter(ABC):
     def _processor_digest(self) -> int:
         """The digest of the image processor's settings that every mm_hash folds in."""
 
-    @abstractmethod
-    def render_prompt(self, messages: list[dict]) -> str:
-        """The chat-templated prompt text, ending with the generation prompt."""
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat-templated prompt text, ending with the generation prompt; `tools` (OpenAI's
+        shape) are rendered by the template, as transformers' `apply_chat_template(tools=...)`."""
+        return self._render(messages, generation_prompt=True, tools=tools)
 
     @abstractmethod
-    def tokenize(self, messages: list[dict], images: Sequence) -> PromptInputs:
+    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None) -> PromptInputs:
         """The templated prompt's tokens with each image's placeholders expanded to its count, and
         the images' spans; pixels are left for the encoder to make on a cache miss."""
 
@@ -178,13 +179,13 @@ class Adapter(ABC):
         lead = rest[: len(rest) - len(rest.lstrip())]
         return lead if rest[len(lead):].startswith("ANSWER") else ""
 
-    def _expanded_prompt(self, messages: list[dict], counts: Sequence[int]):
+    def _expanded_prompt(self, messages: list[dict], counts: Sequence[int], tools: list[dict] | None = None):
         """(input_ids, spans) of the templated prompt with image k's single placeholder repeated
         counts[k] times, as the family's processor expands it. The image token is special, so it
         splits the text before the tokenizer's own rules run: one placeholder per image tokenizes
         like the expanded text, and repeating its id is far cheaper than tokenizing hundreds of
         placeholder strings."""
-        compact = self.tokenizer([self.render_prompt(messages)])["input_ids"][0]
+        compact = self.tokenizer([self.render_prompt(messages, tools)])["input_ids"][0]
         where = [i for i, t in enumerate(compact) if t == self.image_token_id]
         if len(where) != len(counts):
             raise ValueError(f"the prompt has {len(where)} image placeholders for {len(counts)} images")
@@ -196,8 +197,24 @@ class Adapter(ABC):
         input_ids = tuple(int(t) for t in input_ids + compact[start:])
         return input_ids, placeholder_spans(input_ids, self.image_token_id, counts)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                                  tools=tools)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model its tools (a template that ignores
+        `tools=` would leave a tool request blind); probed once."""
+        known = getattr(self, "_renders_tools", None)
+        if known is None:
+            user = [{"role": "user", "content": "q"}]
+            probe = [{"type": "function", "function": {"name": "probe_tool_name", "parameters": {"type": "object"}}}]
+            try:
+                known = "probe_tool_name" in self._render(user, True, tools=probe)
+            except Exception:  # a template that cannot render tools at all
+                known = False
+            self._renders_tools = known
+        return known
 
     @torch.inference_mode()
     def embed(self, input_ids: Sequence[int], pieces: Sequence[tuple[int, torch.Tensor]] = ()) -> torch.Tensor:

@@ -65,9 +65,6 @@ class Qwen2VLAdapter(Adapter):
     def _processor_digest(self) -> int:
         return processor_digest(self.image_processor.to_dict())
 
-    def render_prompt(self, messages: list[dict]) -> str:
-        return self._render(messages, generation_prompt=True)
-
     # -- preprocessing ---------------------------------------------------------------------
 
     def grid(self, image) -> tuple[int, int, int]:
@@ -82,12 +79,12 @@ class Qwen2VLAdapter(Adapter):
         t, h, w = grid
         return t * h * w // (self.merge_size ** 2)
 
-    def tokenize(self, messages: list[dict], images: Sequence) -> PromptInputs:
+    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None) -> PromptInputs:
         """The prompt's tokens with each image's pad token repeated to its count, its spans, and
         its 3-D positions; pixels are left for the encoder (`pixel_values`) to make on a miss."""
         grids = [self.grid(img) for img in images]
         counts = [self.tokens_per_image(g) for g in grids]
-        input_ids, spans = self._expanded_prompt(messages, counts)
+        input_ids, spans = self._expanded_prompt(messages, counts, tools)
         positions, delta = self._rope_index(input_ids, spans, grids)
         return PromptInputs(input_ids, None, spans, images=tuple(images), rope_positions=positions, rope_delta=delta)
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, Overloaded, ServiceUnavailable
 from mmserve.inputs.request import ChatRequest, parse_chat_request
+from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
 from mmserve.models.paged import KVArena
 from mmserve.runtime.metrics import Metrics
@@ -222,8 +224,18 @@ class Runtime:
         raise ServiceUnavailable(f"{actor.name} did not answer the cache reset within {timeout_s} s; retry shortly")
 
     def parse(self, body: dict) -> ChatRequest:
-        """Validates an OpenAI-shaped request body (raises a typed 4xx error)."""
-        return parse_chat_request(body, self.config.limits, self.config.default_model)
+        """Validates an OpenAI-shaped request body (raises a typed 4xx error); its tools are bound
+        to the model (its `tool_parser`; the grammar of a forced call)."""
+        return self._bind_tools(parse_chat_request(body, self.config.limits, self.config.default_model))
+
+    def _bind_tools(self, request: ChatRequest) -> ChatRequest:
+        model = self.config.model(request.model)  # an unknown model is refused by chat(): 404
+        if request.tools is None or not request.tools.parsed or request.tools.parser is not None or model is None:
+            return request  # nothing to bind, or bound already
+        tools, grammar = bind_tools(request.tools, request.model, model.tool_parser)
+        if grammar is not None:
+            request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, grammar=grammar))
+        return dataclasses.replace(request, tools=tools)
 
     def chat(self, messages: list | None = None, *, request: ChatRequest | dict | None = None,
              client_request_id: str | None = None, **params: Any) -> ChatStream:
@@ -242,6 +254,7 @@ class Runtime:
             if messages is not None:
                 body["messages"] = messages
             request = self.parse(body)
+        request = self._bind_tools(request)  # a ChatRequest parsed elsewhere
         self.registry.configured(request.model)
         health = self.supervisor.health(request.model)  # a model that failed to load is tried again
         if not health.ok:  # fail fast: never queue behind a dead, hung or draining actor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -12,6 +13,7 @@ import trio
 
 from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, TokenEvent, TokenLogprob, Usage
 from mmserve.errors import DeadlineExceeded, MMServeError
+from mmserve.generation.tool_calls import ToolCall, ToolCallDelta, tool_call_parser
 from mmserve.logs import get_logger
 
 
@@ -20,13 +22,16 @@ class Delta:
     """One piece of a streamed answer, of choice `index`. A choice's last delta has its
     finish_reason and the usage so far (the request's whole usage on the stream's last delta). The
     first delta comes with the first generated token, so its text may be empty (whitespace held
-    back); with logprobs asked for, every token comes in a delta of its own."""
+    back); with logprobs asked for, every token comes in a delta of its own. With tools, the text
+    is read for calls (`tool_calls`: their pieces, as OpenAI streams them; the markup never shows
+    in `text`), and a choice that called ends with finish_reason "tool_calls"."""
 
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None = None  # None unless asked for
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,9 @@ class ChatStream:
         self._done = False
         self._first_token_at: float | None = None
         self._finished: list[FinishEvent] = []
+        tools = handle.request.tools
+        self._parsers = ([tool_call_parser(tools.parser) for _ in range(handle.choices)]
+                         if tools is not None and tools.parsed else None)
         self._finalizer = weakref.finalize(self, _abandon, handle, receive)
 
     @property
@@ -111,8 +120,17 @@ class ChatStream:
         if isinstance(event, TokenEvent):
             if self._first_token_at is None:
                 self._first_token_at = time.monotonic()
+            if self._parsers is not None:
+                text, calls = self._parsers[event.index].feed(event.text)
+                return Delta(text, index=event.index, logprobs=event.logprobs, tool_calls=tuple(calls))
             return Delta(event.text, index=event.index, logprobs=event.logprobs)
         if isinstance(event, FinishEvent):
+            text, calls = "", []
+            if self._parsers is not None:
+                parser = self._parsers[event.index]
+                text, calls = parser.finish()
+                if parser.calls and event.finish_reason == "stop":  # it called: OpenAI's reason
+                    event = dataclasses.replace(event, finish_reason="tool_calls")
             self._finished.append(event)
             usage = self.usage
             if len(self._finished) >= self.handle.choices:
@@ -120,7 +138,7 @@ class ChatStream:
                 reasons = sorted({f.finish_reason for f in self._finished})
                 self._log_end(200, finish_reason=reasons[0] if len(reasons) == 1 else ",".join(reasons),
                               usage=usage, encoder_hits=event.encoder_hits)
-            return Delta("", event.finish_reason, usage, index=event.index)
+            return Delta(text, event.finish_reason, usage, index=event.index, tool_calls=tuple(calls))
         self._done = True
         if isinstance(event, ErrorEvent):
             self._log_end(event.error.status, error=event.error.message)
@@ -184,15 +202,20 @@ async def complete(stream: ChatStream) -> ChatCompletion:
     parts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
+    calls: list[dict[int, list]] = [{} for _ in range(n)]  # call index -> [id, name, argument pieces]
     usage = None
     async with stream:
         async for delta in stream:
             parts[delta.index].append(delta.text)
             logprobs[delta.index].extend(delta.logprobs)
+            for piece in delta.tool_calls:
+                call = calls[delta.index].setdefault(piece.index, [piece.id, piece.name, []])
+                call[2].append(piece.arguments)
             if delta.finish_reason is not None:
                 reasons[delta.index], usage = delta.finish_reason, delta.usage
     if usage is None or None in reasons:
         raise MMServeError("the request ended without a result")
-    choices = tuple(Choice(i, "".join(parts[i]), reasons[i], tuple(logprobs[i]) if want_logprobs else None)
+    choices = tuple(Choice(i, "".join(parts[i]), reasons[i], tuple(logprobs[i]) if want_logprobs else None,
+                           tuple(ToolCall(c[0], c[1], "".join(c[2])) for _, c in sorted(calls[i].items())))
                     for i in range(n))
     return ChatCompletion(stream.id, stream.model, int(time.time()), choices, usage)

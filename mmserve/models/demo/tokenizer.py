@@ -34,10 +34,13 @@ VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
 QWEN_SPECIAL_TOKENS = (BOS, EOS, PAD, VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
 QWEN_IMAGE = VISION_START + IMAGE_PAD + VISION_END
 
+_TOOLS_PREAMBLE = ("# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+                   "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>")
+_TOOLS_POSTAMBLE = ("\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+                    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+                    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>')
 CHAT_TEMPLATE = (
-    "{{- '<s>' -}}"
-    "{%- for message in messages -%}"
-    "{{- message['role'] + ': ' -}}"
+    "{%- macro content(message) -%}"
     "{%- if message['content'] is string -%}"
     "{{- message['content'] -}}"
     "{%- elif message['content'] is not none -%}"
@@ -49,8 +52,38 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{- '<s>' -}}"
+    # tools (hermes style, as Qwen2.5's template): a system line listing them, then the messages
+    "{%- if tools -%}"
+    "{{- 'system: ' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- content(messages[0]) + '\\n\\n' -}}{%- endif -%}"
+    "{{- '" + _TOOLS_PREAMBLE + "' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '" + _TOOLS_POSTAMBLE + "\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') -%}"
+    "{{- message['role'] + ': ' -}}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{- '<tool_response>\\n' + content(message) + '\\n</tool_response>' -}}"
+    "{%- else -%}"
+    "{{- content(message) -}}"
+    "{%- endif -%}"
+    # an assistant's calls, each as the model writes one: compact JSON in <tool_call> markup
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{%- if not loop.first or message['content'] -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\":' + (fn['name'] | tojson) + ',\"arguments\":' -}}"
+    "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}"
+    "{%- else -%}{{- fn['arguments'] | tojson(separators=(',', ':')) -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{%- if message['role'] == 'assistant' -%}{{- '</s>' -}}{%- endif -%}"
     "{{- '\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}"
 )
