@@ -198,7 +198,7 @@ def test_commit_registers_once_and_refuses_duplicates():
     assert a.commit("r2", 0, A) is False  # A is cached in block 0: r2's block 1 stays private
     assert (a.snapshot(), cached(a)) == before and a.hash_of(1) is None
     assert a.commit("r1", 0, A) is False  # the same content again: nothing to do
-    with pytest.raises(ValueError, match="already holds"):
+    with pytest.raises(ValueError, match="cannot be committed as"):
         a.commit("r1", 0, B)  # one block, one content
     s = a.stats()
     assert (s.commits, s.duplicate_commits, s.cached_blocks) == (1, 1, 1)
