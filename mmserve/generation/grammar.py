@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from mmserve.errors import BadRequest, clip
+from mmserve.generation.json_schema import check_strict, close_objects
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _MAX_SCHEMA_CHARS = 64 * 1024
@@ -62,7 +63,35 @@ def grammar_for(response_format: Any) -> str | None:
     if not isinstance(schema, (dict, bool)):
         raise BadRequest("response_format.json_schema.schema must be a JSON schema (an object)",
                          param="response_format.json_schema.schema")
-    return _compile_schema(schema, "response_format.json_schema.schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BadRequest(f"response_format.json_schema.strict must be a boolean, got {clip(strict)}",
+                         param="response_format.json_schema.strict")
+    return json_schema_grammar(schema, "response_format.json_schema.schema", strict=bool(strict))
+
+
+def json_schema_grammar(schema: dict | bool, param: str, strict: bool = False) -> str:
+    """The grammar of a JSON schema as users write it: objects closed unless they say otherwise
+    (`json_schema.close_objects`); with `strict`, OpenAI's rules checked first."""
+    if strict:
+        check_strict(schema, param)
+    return _compile_schema(close_objects(schema), param)
+
+
+def regex_grammar(pattern: Any, param: str) -> str:
+    """The grammar of a regular expression (vLLM's `guided_regex`; Rust regex syntax)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise BadRequest(f"'{param}' must be a non-empty regular expression string", param=param)
+    return _checked(lambda m: m.grammar_from_regex(pattern), len(pattern), "regular expression", param)
+
+
+def choice_grammar(choices: Any, param: str) -> str:
+    """The grammar whose only sentences are `choices` (vLLM's `guided_choice`)."""
+    if (not isinstance(choices, list) or not choices or len(choices) > 1024
+            or not all(isinstance(c, str) and c for c in choices)):
+        raise BadRequest(f"'{param}' must be a list of 1 to 1024 non-empty strings", param=param)
+    lark = "start: " + " | ".join(json.dumps(c) for c in choices)
+    return _checked(lambda m: m.grammar_from_lark(lark), len(lark), "choice list", param)
 
 
 def _compile_schema(schema: dict | bool, param: str) -> str:
@@ -70,15 +99,23 @@ def _compile_schema(schema: dict | bool, param: str) -> str:
     if len(text) > _MAX_SCHEMA_CHARS:
         raise BadRequest(f"the JSON schema is {len(text)} characters; this server accepts at most "
                          f"{_MAX_SCHEMA_CHARS}", param=param)
+    return _checked(lambda m: m.grammar_from_json_schema(text, overrides=_JSON_OPTIONS), len(text), "JSON schema",
+                    param)
+
+
+def _checked(make, size: int, what: str, param: str) -> str:
+    if size > _MAX_SCHEMA_CHARS:
+        raise BadRequest(f"the {what} is {size} characters; this server accepts at most {_MAX_SCHEMA_CHARS}",
+                         param=param)
     matcher = _llg().LLMatcher
     try:
-        grammar = matcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
+        grammar = make(matcher)
         failed, messages = matcher.validate_grammar_with_warnings(grammar)
     except Exception as e:  # the compiler's own refusal of a shape it cannot read
         failed, messages = True, [str(e)]
     if failed:
         detail = "; ".join(clip(m, 200) for m in messages) or "it cannot be compiled"
-        raise BadRequest(f"the JSON schema is invalid or unsupported: {detail}", param=param)
+        raise BadRequest(f"the {what} is invalid or unsupported: {detail}", param=param)
     return grammar
 
 
