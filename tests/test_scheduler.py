@@ -1,12 +1,16 @@
-"""The token-budget scheduler: decode first, then prefill chunks oldest first, to the budget."""
+"""The token-budget scheduler: decode first, then prefill chunks oldest first, to the budget; at
+most `max_running` requests admitted, admitted strictly oldest first (a cache hit included), the
+choices of one request counted once."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mmserve.actors.sequence import Sequence
 from mmserve.generation.scheduler import blocks_for, newest, plan_step
 
 
@@ -16,6 +20,14 @@ class S:
     kv_len: int
     target: int
     table: int
+    admitted: bool = False
+    request: str | None = None  # its request (the choices of one share it); by default its own
+    decoding: bool = False  # (the simulation below)
+    n: int = 1  # choices still to fork when its prefill ends (the simulation below)
+
+    @property
+    def request_id(self) -> str:
+        return self.request or f"r{self.order}"
 
     @property
     def target_len(self) -> int:
@@ -43,7 +55,7 @@ def test_a_long_prompt_never_starves_decoding():
 
 def test_admission_stops_at_max_running_but_admitted_prefills_go_on():
     running = [S(i, 5, 6, 1) for i in range(2)]
-    admitted, fresh = S(2, 16, 64, 1), S(3, 0, 10, 0)
+    admitted, fresh = S(2, 16, 64, 1, admitted=True), S(3, 0, 10, 0)
     plan = plan_step(running, [admitted, fresh], block_size=16, max_batched_tokens=1000, max_running=3)
     assert [p.seq for p in plan] == [*running, admitted]
 
@@ -64,3 +76,139 @@ def test_plans_respect_the_budget_and_never_overrun_a_target(specs, budget, bloc
         assert p.seq.table_len + p.new_blocks >= blocks_for(p.seq.kv_len + p.tokens, block)
     orders = [p.seq.order for p in plan]
     assert orders == sorted(orders)
+
+
+# -- admission ---------------------------------------------------------------------------------------
+
+
+def planned(plan) -> list:
+    return [p.seq for p in plan]
+
+
+def test_cache_hits_are_gated_like_any_request():
+    """Eight requests arriving with their looked-up blocks (hits): one runs at max_running 1."""
+    hits = [S(i, 32, 40, 2) for i in range(8)]
+    assert planned(plan_step([], hits, 16, 1000, max_running=1)) == [hits[0]]
+    assert planned(plan_step([], hits, 16, 1000, max_running=3)) == hits[:3]
+
+
+def test_a_cache_hit_never_overtakes_an_older_miss():
+    """The old miss holds no block, the younger hit does: the miss is admitted first; with no room
+    for both, the hit waits (head of line), even though its blocks are pinned already."""
+    running = S(0, 20, 21, 2, admitted=True, decoding=True)
+    miss, hit = S(1, 0, 30, 0), S(2, 28, 30, 2)
+    assert planned(plan_step([running], [hit, miss], 16, 1000, max_running=2)) == [running, miss]
+    assert planned(plan_step([], [hit, miss], 16, 1000, max_running=1)) == [miss]
+    assert planned(plan_step([running], [hit, miss], 16, 1000, max_running=3)) == [running, miss, hit]
+
+
+def test_head_of_line_the_oldest_waiting_blocks_the_younger_ones():
+    """Room for one more request; the oldest waiting does not fit the token budget this step: it is
+    admitted with the budget it gets, and nobody younger is."""
+    running = S(0, 20, 21, 2, admitted=True, decoding=True)
+    old, young = S(1, 0, 500, 0), S(2, 0, 5, 0)
+    plan = plan_step([running], [young, old], 16, 64, max_running=2)
+    assert planned(plan) == [running, old] and plan[1].tokens == 63
+
+
+def test_a_preempted_sequence_keeps_its_admission_and_is_prefilled_first():
+    """Preemption gave its blocks back (no table, no KV): it still counts as running, goes before
+    any waiting sequence, and keeps a younger hit out while the running set is full."""
+    preempted = S(5, 0, 40, 0, admitted=True)
+    hit = S(7, 32, 40, 2)
+    assert planned(plan_step([], [hit, preempted], 16, 1000, max_running=1)) == [preempted]
+    other = S(3, 10, 11, 1, admitted=True, decoding=True)
+    plan = plan_step([other], [hit, preempted], 16, 30, max_running=3)
+    assert planned(plan) == [other, preempted] and plan[1].tokens == 29  # the budget goes to it first
+
+
+def test_the_choices_of_one_request_count_once():
+    """A request of n=3 at max_running 1: its three choices run (two decoding, one still
+    prefilling its own block), another request waits."""
+    parent = S(0, 20, 21, 2, admitted=True, request="r", decoding=True)
+    child = S(4, 20, 21, 2, admitted=True, request="r", decoding=True)
+    prefilling_child = S(5, 16, 20, 1, request="r")  # admitted through its request
+    other = S(1, 0, 30, 0)
+    plan = plan_step([child, parent], [other, prefilling_child], 16, 1000, max_running=1)
+    assert planned(plan) == [parent, child, prefilling_child]
+
+
+def test_a_forked_choice_is_born_admitted():
+    """It exists only once its parent's prefill ran in a step: it belongs to a running request."""
+    parent = Sequence(job=None, assembler=None, rng=None, order=0, chain=None)
+    child = Sequence(job=None, assembler=None, rng=None, order=1, chain=None, choice=1)
+    assert not parent.admitted and child.admitted
+
+
+def reference_admissions(live: list[S], max_running: int) -> list[S]:
+    """Who is admitted this step when the token budget is no limit: the waiting sequences oldest
+    first, as long as their requests fit beside the running ones."""
+    running = {s.request_id for s in live if s.admitted}
+    admitted = []
+    for s in sorted((s for s in live if not s.admitted and s.request_id not in running), key=lambda s: s.order):
+        if s.request_id not in running and len(running) >= max_running:
+            break
+        running.add(s.request_id)
+        admitted.append(s)
+    return admitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(1, 4), st.integers(1, 96), st.booleans())
+def test_admission_is_bounded_oldest_first_and_counts_choices_once(data, max_running, budget, ample):
+    """A simulation of the generator's life: requests arrive (misses and hits, n choices each),
+    steps are planned and applied (a finished prefill forks the other choices, born admitted),
+    the newest holder is preempted, sequences end. After every step: never more than
+    `max_running` requests admitted; no sequence admitted while an older one waits; the choices
+    of a request count once; with an ample budget, exactly the reference's admissions."""
+    block = 4
+    orders = itertools.count()
+    live: list[S] = []
+    for _ in range(data.draw(st.integers(1, 40), label="ops")):
+        op = data.draw(st.sampled_from(["arrive", "arrive", "step", "step", "step", "preempt", "end"]), label="op")
+        if op == "arrive":
+            prompt = data.draw(st.integers(2, 40), label="prompt")
+            hit = data.draw(st.integers(0, prompt - 1), label="hit tokens")  # a lookup leaves one to compute
+            live.append(S(next(orders), hit, prompt, blocks_for(hit, block), n=data.draw(st.integers(1, 3), label="n")))
+        elif op == "preempt":
+            victim = newest([s for s in live if s.table])
+            if victim is not None:  # keeps its admission (the generator does not touch it)
+                victim.table, victim.kv_len, victim.decoding = 0, 0, False
+        elif op == "end" and live:
+            live.remove(data.draw(st.sampled_from(live), label="ends"))  # finished, failed or aborted
+        elif op == "step":
+            step_budget = 10_000 if ample else budget
+            decoding, prefilling = [s for s in live if s.decoding], [s for s in live if not s.decoding]
+            was = {id(s) for s in live if s.admitted}
+            expected = reference_admissions(live, max_running)
+            plan = plan_step(decoding, prefilling, block, step_budget, max_running)
+            for p in plan:
+                p.seq.admitted = True
+            new = [s for s in live if s.admitted and id(s) not in was]
+            assert len({s.request_id for s in live if s.admitted}) <= max_running
+            for s in new:
+                assert all(o.admitted for o in live if o.order < s.order), "admitted while an older one waits"
+            assert [p.decode for p in plan] == sorted((p.decode for p in plan), reverse=True)
+            decodes = sum(p.decode for p in plan)  # every decoding sequence's token, whatever the budget
+            assert decodes == len(decoding) and sum(p.tokens for p in plan) - decodes <= max(0, step_budget - decodes)
+            if ample:
+                assert new == expected
+                assert {id(p.seq) for p in plan} == {id(s) for s in live if s.admitted}  # choices, preempted: all run
+            elif live and not was and step_budget > 0:
+                assert new and new[0] is min(live, key=lambda s: s.order)  # the oldest always gets in
+            for p in plan:
+                apply(p, live, orders, block)
+
+
+def apply(p, live: list[S], orders, block: int) -> None:
+    """What the generator does with a planned chunk: its KV is computed; a prefill that reaches
+    its target samples a token (and forks the other choices, born admitted), a decode too."""
+    s = p.seq
+    assert 0 < p.tokens <= s.target - s.kv_len
+    s.kv_len += p.tokens
+    s.table = max(s.table, blocks_for(s.kv_len, block))
+    if s.kv_len == s.target:
+        for _ in range(s.n - 1):
+            live.append(S(next(orders), s.kv_len, s.kv_len + 1, s.table, admitted=True, request=s.request_id,
+                          decoding=True))
+        s.n, s.decoding, s.target = 1, True, s.target + 1

@@ -232,10 +232,15 @@ class Generator(BlockGrants, Answers, Actor):
         return True
 
     def _plan(self) -> list[Planned]:
+        """The next step's plan (`plan_step`); every sequence in it is admitted (running) from now
+        until it ends, a preemption included: at most `max_running_requests` requests at once."""
         decoding = [s for s in self.seqs if s.state is SeqState.DECODING]
         prefilling = [s for s in self.seqs if s.state is SeqState.PREFILLING]
-        return plan_step(decoding, prefilling, self.block_size, self.config.max_batched_tokens,
+        plan = plan_step(decoding, prefilling, self.block_size, self.config.max_batched_tokens,
                          self.config.max_running_requests)
+        for p in plan:
+            p.seq.admitted = True
+        return plan
 
     # -- the forward (compute thread) ----------------------------------------------------------
 

@@ -51,6 +51,12 @@ class Sequence:
     forks: list = field(default_factory=list)  # choice 0 until its prefill ends: (rng, matcher) of each other choice
     matcher: Any = None  # its grammar's state (response_format), None when unconstrained
     resumable: bool = False  # preempted: what is still cached of its blocks is looked up before its prefill
+    # running (`generation.scheduler`): a step planned it; kept until it ends, through preemptions.
+    # A forked choice is born admitted: it exists once its parent's prefill ran, and counts as its request.
+    admitted: bool = False
+
+    def __post_init__(self) -> None:
+        self.admitted = self.admitted or self.choice > 0
 
     @classmethod
     def admit(cls, job: GenerateJob, assembler: TextAssembler, rng: torch.Generator | None, order: int,
