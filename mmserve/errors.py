@@ -112,11 +112,11 @@ class PayloadTooLarge(MMServeError):
     code = "payload_too_large"
 
 
-class UnprocessableImage(MMServeError):
-    """An image that cannot be decoded, is of a refused format, or is too large (HTTP 422)."""
+class UnprocessableImage(BadRequest):
+    """An image that cannot be decoded, is of a refused format or shape, or could not be fetched
+    (HTTP 400, as OpenAI answers; `code` invalid_image, image_too_large, image_fetch_failed or
+    image_fetch_timeout). An image over the byte limits is a `PayloadTooLarge` (413)."""
 
-    status = 422
-    type = "invalid_request_error"
     code = "invalid_image"
 
 

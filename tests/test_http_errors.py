@@ -84,11 +84,11 @@ Image.new("RGB", (8, 8), "red").save(PNG, "PNG")
     ("functions", 400, "unsupported_parameter"),
     ("unknown_model", 404, "model_not_found"),
     ("too_large", 413, "payload_too_large"),
-    ("bad_base64", 422, "invalid_image"),
-    ("not_an_image", 422, "invalid_image"),
-    ("truncated_png", 422, "invalid_image"),
-    ("gif", 422, "invalid_image"),
-    ("huge_dimensions", 422, "image_too_large"),
+    ("bad_base64", 400, "invalid_image"),
+    ("not_an_image", 400, "invalid_image"),
+    ("truncated_png", 400, "invalid_image"),
+    ("gif", 400, "invalid_image"),
+    ("huge_dimensions", 400, "image_too_large"),
     ("remote_url", 400, "remote_images_disabled"),
 ])
 def test_error_status_and_shape(client, case, status, code):

@@ -152,11 +152,11 @@ def test_echoed_input_is_clipped(client):
     assert_still_serving(client)
 
 
-def test_extreme_aspect_ratio_image_is_422_over_http(client):
+def test_extreme_aspect_ratio_image_is_400_over_http(client):
     body = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (1, 10_000)))}},
         {"type": "text", "text": "?"}]}], "max_tokens": 2}
-    assert_error(client.post("/v1/chat/completions", json=body), 422, code="image_too_large")
+    assert_error(client.post("/v1/chat/completions", json=body), 400, code="image_too_large")
     assert_still_serving(client)
 
 
@@ -183,7 +183,7 @@ def test_open_image_refuses_an_extreme_aspect_ratio_before_decoding():
     for size in [(1, 10_000), (10_000, 1), (3, 700)]:
         with pytest.raises(UnprocessableImage) as info:
             open_image(png(*size), LimitsConfig(), "messages[0].content[0]")
-        assert info.value.status == 422 and info.value.code == "image_too_large"
+        assert info.value.status == 400 and info.value.code == "image_too_large"
         assert "aspect ratio" in info.value.message and info.value.param == "messages[0].content[0]"
     assert open_image(png(1, 200), LimitsConfig(), "x").size == (1, 200)  # at the limit
     assert open_image(png(1, 1000), LimitsConfig(max_image_aspect_ratio=1000), "x").size == (1, 1000)

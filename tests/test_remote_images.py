@@ -110,7 +110,7 @@ async def test_every_redirect_hop_is_resolved_and_vetted_again(images, monkeypat
     assert images.paths()[-1] == "/redirect"
 
 
-async def test_unresolvable_host_is_a_clean_422(images):
+async def test_unresolvable_host_is_a_clean_400(images):
     resolve({})
     with pytest.raises(UnprocessableImage, match="could not be resolved") as e:
         await fetch_image(f"http://nowhere.test:{images.port}/red.png", limits(hosts=["nowhere.test"]), "w", log)
@@ -259,13 +259,13 @@ def _dead_port() -> int:
 @pytest.mark.parametrize("case, status, code, says", [
     ("not_allow_listed", 403, "image_host_not_allowed", "'localhost'"),
     ("redirect_to_foreign_host", 403, "image_host_not_allowed", "redirected to host 'localhost'"),
-    ("redirect_loop", 422, "image_fetch_failed", "more than 2 redirects"),
-    ("missing", 422, "image_fetch_failed", "HTTP 404 from '127.0.0.1'"),
-    ("not_an_image", 422, "invalid_image", "not a decodable image"),
+    ("redirect_loop", 400, "image_fetch_failed", "more than 2 redirects"),
+    ("missing", 400, "image_fetch_failed", "HTTP 404 from '127.0.0.1'"),
+    ("not_an_image", 400, "invalid_image", "not a decodable image"),
     ("too_large_by_length", 413, "payload_too_large", f"{CAP} byte limit"),
     ("too_large_streamed", 413, "payload_too_large", f"{CAP} byte limit"),
-    ("slow", 422, "image_fetch_timeout", f"within {TIMEOUT_S:g}s"),
-    ("unreachable", 422, "image_fetch_failed", "could not connect"),
+    ("slow", 400, "image_fetch_timeout", f"within {TIMEOUT_S:g}s"),
+    ("unreachable", 400, "image_fetch_failed", "could not connect"),
     ("ftp", 400, "invalid_request_error", "http(s) URL"),
 ])
 def test_refusals_are_clean_and_the_server_serves_on(client, images, case, status, code, says):

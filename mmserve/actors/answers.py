@@ -73,19 +73,28 @@ class Answers:
         seq.ids.append(token)
         try:
             fault("generator.detokenize", seq.label)
-            text = seq.assembler.add(token)
+            text = seq.assembler.add(token, sampled)
         except Exception as e:
             return self._fail(seq, e, "generator (detokenizing)")
         # the first token is always announced (its text may be held back, e.g. a leading space):
         # callers see the first token when it exists, and a client gone by then is noticed
-        logprobs = (self._pieces.logprob(sampled),) if seq.params.logprobs else ()
+        logprobs = self._settled_logprobs(seq)
         event = TokenEvent(text, token, seq.choice, logprobs)
         if (text or logprobs or len(seq.tokens) == 1) and not seq.handle.emit(event):
             return self._end(seq, SeqState.ABORTED)
-        if seq.assembler.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
+        if (seq.assembler.stopped or token in seq.params.stop_token_ids
+                or (seq.matcher is not None and seq.matcher.is_stopped())):
             return self._finish(seq, "stop")
         if len(seq.tokens) >= seq.params.max_tokens or len(seq.ids) >= self.max_positions:
             return self._finish(seq, "length")
+
+    def _settled_logprobs(self, seq: Sequence) -> tuple:
+        """The logprobs entries of the tokens whose text is now final, each token's `token` its text
+        as the answer shows it (`TextAssembler.settled`): joined, they are the answer."""
+        settled = seq.assembler.settled()
+        if not seq.params.logprobs:
+            return ()
+        return tuple(self._pieces.logprob(sampled, text) for text, sampled in settled)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Ends `seq` with `reason`: the caller gets the rest of the text and the finish."""
@@ -94,8 +103,9 @@ class Answers:
             tail = seq.assembler.finish()
         except Exception as e:
             return self._fail(seq, e, "generator (finishing)")
-        if tail:
-            handle.emit(TokenEvent(tail, -1, seq.choice))
+        logprobs = self._settled_logprobs(seq)
+        if tail or logprobs:
+            handle.emit(TokenEvent(tail, -1, seq.choice, logprobs))
         usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
         self._end(seq, SeqState.FINISHED, FinishEvent(reason, usage, seq.job.encoder_hits, seq.choice))
         ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created

@@ -27,7 +27,7 @@ from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Release, copy_pin
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
-from mmserve.actors.token_rows import TokenPieces, row_specs
+from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.errors import BadRequest, MMServeError, ServiceUnavailable
@@ -35,7 +35,6 @@ from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.step_sampling import Sampled, sample_rows
 from mmserve.generation.scheduler import Planned, plan_step
-from mmserve.generation.stops import TextAssembler
 from mmserve.models.adapter import Adapter
 from mmserve.models.paged import KVArena, Segment
 
@@ -125,7 +124,7 @@ class Generator(BlockGrants, Answers, Actor):
 
     def _admit(self, job: GenerateJob) -> None:
         params = job.handle.request.sampling
-        assembler = TextAssembler(self.adapter.decode_text, params.stop, self.adapter.answer_lead)
+        assembler = text_assembler(self.adapter, job.handle.request)
         prompt = job.prompt
         chain = BlockChain.of(self.adapter.model_sig, job.handle.request.cache_salt, len(prompt.input_ids),
                               prompt.spans, prompt.mm_keys, self.block_size,
@@ -347,9 +346,7 @@ class Generator(BlockGrants, Answers, Actor):
         return out
 
     def _banned(self, seq: Sequence) -> torch.Tensor:
-        if len(seq.tokens) < seq.params.min_tokens and seq.matcher is None:  # a grammar says when it ends
-            return torch.cat([self._image_token, self._eos])
-        return self._image_token
+        return banned_ids(seq, self._image_token, self._eos, self.adapter.vocab_size)
 
     async def _fork(self, p: Planned, firsts: list[Sampled]) -> Sampled | Exception:
         """The other choices of `p.seq`, whose prefill this step ended, as sequences of their own
@@ -366,11 +363,9 @@ class Generator(BlockGrants, Answers, Actor):
         if forked is None:
             return ServiceUnavailable("the KV cache did not answer while the request's choices were set up; "
                                       "retry", retry_after_s=1.0)
-        params = parent.params
         try:
             made = children(parent, forked, kv_end, self.block_size, order=lambda: next(self._orders),
-                            assembler=lambda: TextAssembler(self.adapter.decode_text, params.stop,
-                                                            self.adapter.answer_lead))
+                            assembler=lambda: text_assembler(self.adapter, parent.handle.request))
         except MMServeError as e:  # the request fails alone; what the manager gave its choices goes back
             self._release_forked(forked)
             return e

@@ -107,7 +107,8 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
     fault("intake.prepare", label)
     for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
         check_image_size(adapter.image_processor, img.width, img.height, limits, where)
-    prompt = adapter.tokenize(hf_messages(request), images, hf_tools(adapter, request))
+    prompt = adapter.tokenize(hf_messages(request), images, hf_tools(adapter, request),
+                              request.template.render_args() or None)
     keys = tuple(adapter.image_key(img) for img in images)
     prompt = dataclasses.replace(prompt, mm_keys=keys)
     if len(prompt.input_ids) > limits.max_prompt_tokens:

@@ -1,8 +1,9 @@
 """What the generator samples in a step, row by row, and how a sampled token reads to the caller.
 
 `row_specs` turns the sequences due a token into `RowSpec`s (a choice-0 sequence whose prefill
-ends also samples its other choices' first tokens from its row); `TokenPieces` gives the text and
-bytes of token ids for OpenAI's logprobs objects.
+ends also samples its other choices' first tokens from its row); `banned_ids` says which tokens a
+sequence may not draw now; `assembler` makes a request's detokenizer; `TokenPieces` gives the
+text and bytes of token ids for OpenAI's logprobs objects.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import torch
 from mmserve.actors.messages import TokenLogprob
 from mmserve.actors.sequence import Sequence
 from mmserve.generation.step_sampling import RowSpec, Sampled
+from mmserve.generation.stops import TextAssembler
+from mmserve.inputs.request import ChatRequest
+from mmserve.models.adapter import Adapter
 
 
 def row_specs(rows: list[tuple[int, Sequence]], banned: Callable[[Sequence], torch.Tensor],
@@ -36,6 +40,30 @@ def row_specs(rows: list[tuple[int, Sequence]], banned: Callable[[Sequence], tor
     return specs, owners
 
 
+def banned_ids(seq: Sequence, image_token: torch.Tensor, eos: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The tokens `seq` may not draw now: the image placeholder always; EOS for the whole answer
+    with `ignore_eos` (vLLM: EOS does not end it; banning it makes `max_tokens` end it), and EOS and
+    `stop_token_ids` before `min_tokens` (as vLLM's min-tokens processor). A grammar says itself
+    when the answer may end: a constrained sequence gets neither ban."""
+    params = seq.params
+    if seq.matcher is not None:
+        return image_token
+    early = len(seq.tokens) < params.min_tokens
+    if not early and not params.ignore_eos:
+        return image_token
+    stops = [t for t in params.stop_token_ids if t < vocab_size] if early else []
+    return torch.cat([image_token, eos, torch.tensor(stops, dtype=torch.long)] if stops else [image_token, eos])
+
+
+def assembler(adapter: Adapter, request: ChatRequest) -> TextAssembler:
+    """The detokenizer of one choice of `request`: its stop strings, special tokens skipped or not,
+    and the template's lead removed only where the answer starts a new assistant message."""
+    params = request.sampling
+    decode = adapter.decode_text if params.skip_special_tokens else adapter.decode_special
+    lead = adapter.answer_lead if request.template.opens_answer else ""
+    return TextAssembler(decode, params.stop, lead, include_stop=params.include_stop_str_in_output)
+
+
 class TokenPieces:
     """Token id → (text, bytes), cached; the bytes come from `token_bytes` (exact, also for a
     token holding part of a UTF-8 character, whose text then shows the bytes escaped)."""
@@ -53,11 +81,24 @@ class TokenPieces:
                 self._cache[token_id] = piece
         return piece
 
-    def logprob(self, sampled: Sampled) -> TokenLogprob:
-        text, raw = self(sampled.token_id)
-        top = tuple(_entry(self(t), lp) for t, lp in sampled.top)
-        return TokenLogprob(text, sampled.logprob, raw, top)
+    def logprob(self, sampled: Sampled, text: str | None = None) -> TokenLogprob:
+        """The logprobs entry of a sampled token whose text in the answer is `text` (None: its
+        own). Where the answer shows less of it than the token holds (the template's lead cut
+        from the first token), the alternatives lose that same leading whitespace."""
+        own, raw = self(sampled.token_id)
+        if text is None or text == own:
+            return TokenLogprob(own, sampled.logprob, raw, tuple(_entry(self(t), lp) for t, lp in sampled.top))
+        cut = own[: len(own) - len(text)] if own.endswith(text) and own[: len(own) - len(text)].isspace() else ""
+        top = tuple(_entry(_without(self(t), cut), lp) for t, lp in sampled.top)
+        return TokenLogprob(text, sampled.logprob, tuple(text.encode()), top)
 
 
 def _entry(piece: tuple[str, tuple[int, ...]], logprob: float) -> TokenLogprob:
     return TokenLogprob(piece[0], logprob, piece[1])
+
+
+def _without(piece: tuple[str, tuple[int, ...]], lead: str) -> tuple[str, tuple[int, ...]]:
+    if not lead or not piece[0].startswith(lead):
+        return piece
+    text = piece[0][len(lead):]
+    return text, tuple(text.encode())

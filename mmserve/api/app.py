@@ -119,11 +119,19 @@ def create_app(rt: Runtime) -> QuartTrio:
         dropped = await rt.reset_caches(model, tuple(caches))
         return {"object": "cache.reset", "dropped": dropped}
 
+    def model_card(m: dict) -> dict:
+        return {"id": m["name"], "object": "model", "created": int(rt.started), "owned_by": "mmserve",
+                "loaded": m["loaded"], "state": m["state"]}
+
     @app.get("/v1/models")
     async def models():
-        data = [{"id": m["name"], "object": "model", "created": int(rt.started), "owned_by": "mmserve",
-                 "loaded": m["loaded"], "state": m["state"]} for m in rt.models()]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(m) for m in rt.models()]}
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str):
+        """One model (OpenAI's `client.models.retrieve`); an unknown one is a 404 naming the others."""
+        rt.registry.configured(model_id)
+        return next(model_card(m) for m in rt.models() if m["name"] == model_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
@@ -241,8 +249,11 @@ async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
                                                  index, tokens if want_logprobs else None))
 
     try:
+        echo = stream.handle.request.echo  # vLLM's echo: the last message's text starts the answer
         for index in range(stream.handle.choices):
-            yield event({"role": "assistant", "content": ""}, index=index)
+            yield event({"role": "assistant", "content": "", "refusal": None}, index=index)
+            if echo:
+                yield event({"content": echo}, index=index)
         delta = first
         while True:
             if delta.text or delta.logprobs:

@@ -36,8 +36,8 @@ def completion(c: ChatCompletion) -> dict:
 def message(ch: Choice) -> dict:
     """A choice's message: with tool calls, `tool_calls` (and `content` null when it is only calls)."""
     if not ch.tool_calls:
-        return {"role": "assistant", "content": ch.text}
-    return {"role": "assistant", "content": ch.text or None,
+        return {"role": "assistant", "content": ch.text, "refusal": None}
+    return {"role": "assistant", "content": ch.text or None, "refusal": None,
             "tool_calls": [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
                            for t in ch.tool_calls]}
 

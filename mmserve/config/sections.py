@@ -117,7 +117,7 @@ class LimitsConfig:
     max_images_per_request: int = 8
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 40_000_000  # decoded, and in every step of the image processor
-    max_image_aspect_ratio: float = 200.0  # longer side / shorter side; beyond, HTTP 422
+    max_image_aspect_ratio: float = 200.0  # longer side / shorter side; beyond, HTTP 400 (image_too_large)
     max_json_depth: int = 64  # nesting of arrays and objects in a request body
     image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")
     max_prompt_tokens: int = 8192
@@ -259,7 +259,7 @@ class SharedCacheConfig:
 @dataclass(frozen=True)
 class GeneratorConfig:
     max_batched_tokens: int = 2048  # tokens one forward carries: decode tokens first, then prefill chunks
-    max_running_requests: int = 256  # sequences holding KV blocks at once
+    max_running_requests: int = 256  # requests running at once (n choices count once); more wait, oldest first
     lookup_timeout_s: float = 2.0  # a KV-cache answer slower than this is treated as a miss (or a skipped step)
 
     def __post_init__(self) -> None:

@@ -1,8 +1,8 @@
 """Sampling a whole decode batch on the logits' device, with one device→host transfer per step.
 
 `sample_batch` takes the batch's logits [B, V] where the forward left them (CUDA stays on CUDA),
-does banning, greedy argmax, temperature, top-k and top-p for every row at once in float32, and
-brings back only the [B] sampled ids (`.tolist()` once). Per-row parameters travel to the device
+does banning, greedy argmax, temperature, min-p, top-k and top-p for every row at once in float32,
+and brings back only the [B] sampled ids (`.tolist()` once). Per-row parameters travel to the device
 as small tensors (host→device, non-blocking from pinned memory on CUDA); nothing per row or per
 vocabulary entry comes back.
 
@@ -10,9 +10,10 @@ Same results as `sampling.sample` row by row:
 
 * greedy rows (temperature 0) are the argmax of the row with its banned ids at -inf — the first
   maximal index, as `torch.argmax`;
-* random rows run the same float32 operations as `sample` (logits / temperature; the k-th largest
-  scaled logit as top-k threshold, ties kept; softmax; top-p drops the tokens whose preceding mass
-  in the descending sort already reaches top_p), batched over rows with per-row parameters;
+* random rows run the same float32 operations as `sample` (logits / temperature; min-p drops the
+  scaled logits below the row's largest + log(min_p); the k-th largest scaled logit as top-k
+  threshold, ties kept; softmax; top-p drops the tokens whose preceding mass in the descending sort
+  already reaches top_p), batched over rows with per-row parameters;
 * a row with a generator draws exactly what `sample` draws. `torch.multinomial(probs, 1, gen)` is,
   in torch, the exponential race ``argmax(probs / q)`` with ``q = empty_like(probs).exponential_(1,
   generator=gen)`` (tests/test_sampler.py pins that). Here the row's q is drawn with the same call
@@ -45,6 +46,7 @@ alone). The validity check rides in the same transfer as the ids (negative codes
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Sequence
 
 import torch
@@ -143,6 +145,11 @@ def _sample_random(x: torch.Tensor, order: list[int], params: list[SamplingParam
         scaled = x / temps
     else:
         scaled = x.index_select(0, _upload(order, torch.long, dev)).div_(temps)
+
+    # min-p: tokens whose probability is below min_p times the row's top one, as `sample`'s
+    if any(p.min_p > 0.0 for p in params):
+        floor = _upload([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], torch.float32, dev)
+        scaled.masked_fill_(scaled < scaled.max(dim=-1, keepdim=True).values + floor.unsqueeze(1), float("-inf"))
 
     # top-k: the k-th largest scaled logit of each row (ties at it kept), as `sample`'s
     ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]

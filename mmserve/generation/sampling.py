@@ -1,8 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator; what
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, with a per-request seeded generator; what
 one request asks of its tokens (`SamplingParams`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,12 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # 0-20 alternatives per token (needs logprobs)
     grammar: str | None = None  # an llguidance grammar (response_format), validated at parse time
+    # vLLM's extensions, with vLLM's meaning
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely one are never drawn
+    ignore_eos: bool = False  # EOS never ends the answer (it is never drawn: max_tokens ends it)
+    stop_token_ids: tuple[int, ...] = ()  # a drawn one ends the answer (it is part of it, as in vLLM)
+    skip_special_tokens: bool = True  # special tokens' text is left out of the answer
+    include_stop_str_in_output: bool = False  # the stop string that ended the answer stays in it
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +79,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
+    if params.min_p > 0.0:  # below min_p times the top probability: log p_i < log p_max + log min_p
+        logits = logits.masked_fill(logits < logits.max() + math.log(params.min_p), float("-inf"))
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -6,7 +6,7 @@ processor can make an image far larger than it was: CLIP-style processors scale 
 1 x 160,000 strip (160,000 pixels, a few hundred bytes of PNG) with `shortest_edge` 336 is resized
 to 336 x 53,760,000 — 18 billion pixels, tens of GB of floats — before the crop throws nearly all
 of it away. `processing_pixels` computes every intermediate size from the processor's settings,
-mirroring transformers' own arithmetic, so `check_image_size` can refuse such an image with a 422
+mirroring transformers' own arithmetic, so `check_image_size` can refuse such an image with a 400
 instead of the server running out of memory.
 
 Covered: every size layout transformers' `PilBackend.resize` understands (CLIPImageProcessor and
@@ -67,7 +67,7 @@ def processing_steps(image_processor: Any, width: int, height: int) -> tuple[Ste
 
 
 def check_aspect_ratio(width: int, height: int, limits: LimitsConfig, where: str) -> None:
-    """Refuses (422) an image whose longer side exceeds `max_image_aspect_ratio` times its shorter.
+    """Refuses (400) an image whose longer side exceeds `max_image_aspect_ratio` times its shorter.
 
     Cheap, and needs only the header's size, so it runs before decoding: an extreme strip is what
     makes aspect-preserving resizes explode, and no model reads anything useful from one."""
@@ -81,7 +81,7 @@ def check_aspect_ratio(width: int, height: int, limits: LimitsConfig, where: str
 
 
 def check_image_size(image_processor: Any, width: int, height: int, limits: LimitsConfig, where: str) -> None:
-    """Refuses (422 `image_too_large`) an image the processor would blow up beyond `max_image_pixels`
+    """Refuses (400 `image_too_large`) an image the processor would blow up beyond `max_image_pixels`
     in some step, or whose aspect ratio is beyond `max_image_aspect_ratio` — before it runs."""
     check_aspect_ratio(width, height, limits, where)
     try:

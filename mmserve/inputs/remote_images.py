@@ -40,8 +40,8 @@ image and the same image inline share their encoder-cache entry.
 Statuses: disabled → 400 `remote_images_disabled`; malformed URL or refused scheme → 400
 `invalid_image_url`; host not allow-listed → 403 `image_host_not_allowed`; a refused address →
 403 `image_address_not_allowed`; larger than the cap → 413 `payload_too_large`; past the deadline
-→ 422 `image_fetch_timeout`; unresolvable host, refused connection, TLS failure, a non-2xx answer,
-too many redirects → 422 `image_fetch_failed`; bytes that are not an accepted image → 422
+→ 400 `image_fetch_timeout`; unresolvable host, refused connection, TLS failure, a non-2xx answer,
+too many redirects → 400 `image_fetch_failed`; bytes that are not an accepted image → 400
 `invalid_image` (from `open_image`). Upstream failures are 4xx, not 5xx: the URL is the caller's
 choice and retrying it unchanged will not help. A caller that goes away cancels the fetch.
 """
@@ -212,7 +212,7 @@ def check_url(url: str, cfg: "RemoteImagesConfig", where: str, *, redirect: bool
 
 
 class _FetchFailed(Exception):
-    """Internal: an upstream failure, turned into a 422 with a short, non-revealing reason."""
+    """Internal: an upstream failure, turned into a 400 with a short, non-revealing reason."""
 
 
 @functools.lru_cache(maxsize=1)

@@ -15,8 +15,9 @@ from typing import Any
 from mmserve.errors import CLIP_CHARS, BadRequest, UnsupportedParameter, clip
 from mmserve.config import LimitsConfig
 from mmserve.inputs.remote_images import check_url, is_remote_url
-from mmserve.generation.grammar import grammar_for
 from mmserve.generation.sampling import SamplingParams
+from mmserve.inputs.extensions import (VLLM_FIELDS, TemplateOptions, sampling_extensions, structured_grammar,
+                                       template_options, wants_echo)
 from mmserve.generation.tool_calls import ToolCall
 from mmserve.inputs.tools import Tools, parse_tool_call_id, parse_tool_calls, parse_tools
 
@@ -55,6 +56,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    template: TemplateOptions = TemplateOptions()  # vLLM's chat-template parameters
+    echo: str = ""  # vLLM's `echo`: the answer's text starts with this (the last message's content)
     tools: Tools | None = None  # tools, tool_choice, parallel_tool_calls (mmserve.inputs.tools)
 
     @property
@@ -70,7 +73,7 @@ _KNOWN = {
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "cache_salt", "min_tokens",
     "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-} | _IGNORED
+} | _IGNORED | VLLM_FIELDS
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
@@ -230,6 +233,7 @@ def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
         raise BadRequest("'seed' must be an integer", param="seed")
     min_tokens = _integer(body, "min_tokens", 0, limits.max_tokens) or 0
     logprobs, top_logprobs = _logprobs(body)
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -238,13 +242,14 @@ def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
         seed=None if seed is None else seed % 2**63,
         stop=_stop(body, limits),
         min_tokens=min_tokens,
-        n=_integer(body, "n", 1, MAX_CHOICES) or 1,
+        n=n,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_positive(body, "repetition_penalty", 1.0, 2.0 ** 7),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        grammar=grammar_for(body.get("response_format")),
+        grammar=structured_grammar(body),
+        **sampling_extensions(body, n),
     )
 
 
@@ -300,7 +305,9 @@ def _parts(content: Any, where: str, role: str, limits: LimitsConfig) -> tuple[T
     return tuple(parts)
 
 
-def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
+def parse_messages(raw: Any, limits: LimitsConfig, assistant_last: bool = False) -> tuple[Message, ...]:
+    """The messages; the last may be the assistant's only when `assistant_last` (the template then
+    continues it, or renders it without a generation prompt: vLLM's template parameters)."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
     if len(raw) > limits.max_messages:
@@ -323,7 +330,7 @@ def parse_messages(raw: Any, limits: LimitsConfig) -> tuple[Message, ...]:
         parts = () if calls and content in (None, "", []) else _parts(content, where, role, limits)
         call_id = parse_tool_call_id(m, where) if role == "tool" else None
         messages.append(Message("system" if role == "developer" else role, parts, calls, call_id))
-    if messages[-1].role == "assistant":
+    if messages[-1].role == "assistant" and not assistant_last:
         raise BadRequest("the last message must not be from the assistant: nothing to answer", param="messages")
     n_images = sum(len(m.images) for m in messages)
     if n_images > limits.max_images_per_request:
@@ -366,12 +373,24 @@ def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> C
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    template = template_options(body)
+    messages = parse_messages(body.get("messages"), limits, assistant_last=not template.opens_answer)
     return ChatRequest(
         model=model,
-        messages=parse_messages(body.get("messages"), limits),
+        messages=messages,
         sampling=parse_sampling(body, limits),
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         cache_salt=salt,
         tools=parse_tools(body),
+        template=template,
+        echo=_echo(messages, template) if wants_echo(body) else "",
     )
+
+
+def _echo(messages: tuple[Message, ...], template: TemplateOptions) -> str:
+    """vLLM's `echo`: the last message's text when it has the answer's role (the assistant's, or,
+    without a generation prompt, the last message's own), else nothing."""
+    role = "assistant" if template.add_generation_prompt else messages[-1].role
+    last = messages[-1]
+    return "".join(p.text for p in last.parts if isinstance(p, TextPart)) if last.role == role else ""

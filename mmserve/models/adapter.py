@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local directories only
 
@@ -69,6 +69,20 @@ class StepOutput:
     cache: DynamicCache
 
 
+def template_variables(source) -> frozenset[str] | None:
+    """The variables a chat template (a string, or a dict of named ones) reads; None when it cannot
+    be parsed here (then every requested keyword argument is passed)."""
+    import jinja2
+    import jinja2.meta
+
+    texts = list(source.values()) if isinstance(source, dict) else [source] if source else []
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return frozenset().union(*(jinja2.meta.find_undeclared_variables(env.parse(t)) for t in texts))
+    except Exception:  # a tag only transformers' own environment knows (e.g. {% generation %})
+        return None
+
+
 def placeholder_spans(input_ids: Sequence[int], image_token_id: int, counts: Sequence[int]) -> tuple[ImageSpan, ...]:
     """One span per image, in order, from each image's own placeholder count: image k takes the
     next counts[k] placeholder positions, which must be contiguous (two images whose
@@ -111,6 +125,7 @@ class Adapter(ABC):
         self.kv_layers = int(tc.num_hidden_layers)
         self.kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
         self.head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+        self._template_variables: frozenset[str] | None = None
         self.answer_lead = self._answer_lead()
         dtype_name = str(self.dtype).removeprefix("torch.")  # 'float32', 'float16', 'bfloat16'
         self.model_sig = checkpoint_sig(name, self.path, dtype=dtype_name, device_type=self.device.type)
@@ -127,15 +142,34 @@ class Adapter(ABC):
     def _processor_digest(self) -> int:
         """The digest of the image processor's settings that every mm_hash folds in."""
 
-    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                      template: Mapping | None = None) -> str:
         """The chat-templated prompt text, ending with the generation prompt; `tools` (OpenAI's
-        shape) are rendered by the template, as transformers' `apply_chat_template(tools=...)`."""
-        return self._render(messages, generation_prompt=True, tools=tools)
+        shape) are rendered by the template, as transformers' `apply_chat_template(tools=...)`.
+        `template`: vLLM's template parameters (`template_args`)."""
+        args = self.template_args(template)
+        return self._render(messages, args.pop("add_generation_prompt", True), tools, **args)
+
+    def template_args(self, template: Mapping | None) -> dict:
+        """`add_generation_prompt` and `continue_final_message` from `template`, and those of its
+        other keys (a request's `chat_template_kwargs`) that the chat template reads: vLLM drops
+        the others, so a client may send e.g. `enable_thinking` to every model."""
+        if not template:
+            return {}
+        if getattr(self, "_template_variables", None) is None:
+            self._template_variables = template_variables(self._chat_template_source()) or frozenset({"*"})
+        own, used = ("add_generation_prompt", "continue_final_message"), self._template_variables
+        return {k: v for k, v in template.items() if k in own or k in used or "*" in used}
+
+    def _chat_template_source(self):
+        return getattr(getattr(self, "processor", None), "chat_template", None) or self.tokenizer.chat_template
 
     @abstractmethod
-    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None) -> PromptInputs:
+    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None,
+                 template: Mapping | None = None) -> PromptInputs:
         """The templated prompt's tokens with each image's placeholders expanded to its count, and
-        the images' spans; pixels are left for the encoder to make on a cache miss."""
+        the images' spans; pixels are left for the encoder to make on a cache miss. `tools` and
+        `template` as `render_prompt` takes them."""
 
     @abstractmethod
     def pixel_values(self, images: Sequence) -> list:
@@ -179,13 +213,14 @@ class Adapter(ABC):
         lead = rest[: len(rest) - len(rest.lstrip())]
         return lead if rest[len(lead):].startswith("ANSWER") else ""
 
-    def _expanded_prompt(self, messages: list[dict], counts: Sequence[int], tools: list[dict] | None = None):
+    def _expanded_prompt(self, messages: list[dict], counts: Sequence[int], tools: list[dict] | None = None,
+                         template: Mapping | None = None):
         """(input_ids, spans) of the templated prompt with image k's single placeholder repeated
         counts[k] times, as the family's processor expands it. The image token is special, so it
         splits the text before the tokenizer's own rules run: one placeholder per image tokenizes
         like the expanded text, and repeating its id is far cheaper than tokenizing hundreds of
         placeholder strings."""
-        compact = self.tokenizer([self.render_prompt(messages, tools)])["input_ids"][0]
+        compact = self.tokenizer([self.render_prompt(messages, tools, template)])["input_ids"][0]
         where = [i for i, t in enumerate(compact) if t == self.image_token_id]
         if len(where) != len(counts):
             raise ValueError(f"the prompt has {len(where)} image placeholders for {len(counts)} images")
@@ -197,9 +232,10 @@ class Adapter(ABC):
         input_ids = tuple(int(t) for t in input_ids + compact[start:])
         return input_ids, placeholder_spans(input_ids, self.image_token_id, counts)
 
-    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None,
+                **template) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                  tools=tools)
+                                                  tools=tools, **template)
 
     @property
     def renders_tools(self) -> bool:
@@ -264,3 +300,7 @@ class Adapter(ABC):
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def decode_special(self, token_ids: Sequence[int]) -> str:
+        """`decode_text` keeping special tokens' text (vLLM's `skip_special_tokens: false`)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)

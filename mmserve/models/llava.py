@@ -8,7 +8,7 @@ that the actors run in worker threads.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from transformers import AutoProcessor, DynamicCache
@@ -34,22 +34,25 @@ class LlavaAdapter(Adapter):
     def _processor_digest(self) -> int:
         return processor_digest(self.image_processor.to_dict())
 
-    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None,
+                **template) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                  tools=tools)
+                                                  tools=tools, **template)
 
     # -- preprocessing ---------------------------------------------------------------------
 
-    def preprocess(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None) -> PromptInputs:
+    def preprocess(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None,
+                   template: Mapping | None = None) -> PromptInputs:
         """Applies the chat template and the processor; images are PIL images in prompt order."""
-        text = self.render_prompt(messages, tools)
+        text = self.render_prompt(messages, tools, template)
         batch = self.processor(text=[text], images=list(images) or None, return_tensors="pt")
         input_ids = tuple(int(t) for t in batch["input_ids"][0])
         pixel_values = batch.get("pixel_values") if images else None
         spans = self.image_spans(input_ids, len(images))
         return PromptInputs(input_ids, pixel_values, spans)
 
-    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None) -> PromptInputs:
+    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None,
+                 template: Mapping | None = None) -> PromptInputs:
         """Like `preprocess`, but without the image processor's pixel work, which only an encoder
         cache miss needs (the encoder computes it then, with `pixel_values`). The placeholder
         expansion is the processor's own (`_get_num_multimodal_tokens`, as vLLM uses it); a
@@ -57,8 +60,8 @@ class LlavaAdapter(Adapter):
         tests/test_adapter.py pins that both paths give the same tokens."""
         counts = self._image_token_counts(images)
         if counts is None:
-            return self.preprocess(messages, images, tools)
-        input_ids, spans = self._expanded_prompt(messages, counts, tools)
+            return self.preprocess(messages, images, tools, template)
+        input_ids, spans = self._expanded_prompt(messages, counts, tools, template)
         return PromptInputs(input_ids, None, spans, images=tuple(images))
 
     def _image_token_counts(self, images: Sequence) -> list[int] | None:

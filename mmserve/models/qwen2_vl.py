@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
@@ -79,12 +79,13 @@ class Qwen2VLAdapter(Adapter):
         t, h, w = grid
         return t * h * w // (self.merge_size ** 2)
 
-    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None) -> PromptInputs:
+    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None,
+                 template: Mapping | None = None) -> PromptInputs:
         """The prompt's tokens with each image's pad token repeated to its count, its spans, and
         its 3-D positions; pixels are left for the encoder (`pixel_values`) to make on a miss."""
         grids = [self.grid(img) for img in images]
         counts = [self.tokens_per_image(g) for g in grids]
-        input_ids, spans = self._expanded_prompt(messages, counts, tools)
+        input_ids, spans = self._expanded_prompt(messages, counts, tools, template)
         positions, delta = self._rope_index(input_ids, spans, grids)
         return PromptInputs(input_ids, None, spans, images=tuple(images), rope_positions=positions, rope_delta=delta)
 

@@ -197,9 +197,11 @@ def _abandon(handle: RequestHandle, receive: trio.MemoryReceiveChannel) -> None:
 
 
 async def complete(stream: ChatStream) -> ChatCompletion:
-    """Reads a started request to its end: the one completion path of HTTP and embedded callers."""
+    """Reads a started request to its end: the one completion path of HTTP and embedded callers.
+    With vLLM's `echo`, each choice's text starts with the echoed text (the stream's deltas do not
+    carry it: the HTTP stream sends it as a chunk of its own)."""
     n, want_logprobs = stream.handle.choices, stream.handle.request.sampling.logprobs
-    parts: list[list[str]] = [[] for _ in range(n)]
+    parts: list[list[str]] = [[stream.handle.request.echo] for _ in range(n)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     calls: list[dict[int, list]] = [{} for _ in range(n)]  # call index -> [id, name, argument pieces]
