@@ -48,6 +48,7 @@ class MMServeError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    rejected = False  # a `request.rejected` line was logged for it (`log_rejection`)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -55,6 +56,11 @@ class MMServeError(Exception):
         self.param = param
         if code is not None:
             self.code = code
+
+    @property
+    def reason(self) -> str:
+        """What kind of error it is, for logs and counters: its code, or else its type."""
+        return self.code or self.type
 
     def to_body(self) -> dict:
         return {
@@ -118,6 +124,23 @@ class UnprocessableImage(BadRequest):
     image_fetch_timeout). An image over the byte limits is a `PayloadTooLarge` (413)."""
 
     code = "invalid_image"
+
+
+def is_rejection(error: MMServeError) -> bool:
+    """A refusal rather than a failure: any 4xx, or 503 (not ready, draining, the model down).
+    500 (a bug) and 504 (the deadline) are failures of work that was started."""
+    return error.status < 500 or error.status == 503
+
+
+def log_rejection(log, error: MMServeError, **fields) -> bool:
+    """Logs the one `request.rejected` line of a refused request (`fields`: its ids, its model);
+    False, logging nothing, when `error` was logged already (it passes several layers)."""
+    if error.rejected or not is_rejection(error):
+        return False
+    error.rejected = True
+    log.info("request.rejected", status=error.status, reason=error.reason, param=error.param,
+             error=error.message, **fields)
+    return True
 
 
 class Overloaded(MMServeError):

@@ -19,7 +19,7 @@ from mmserve.actors.messages import (
     EncodeJob, Lookup, PrefixFailed, PrefixState, Release, RequestHandle, Route, Submit)
 from mmserve.cache.block_hash import prompt_block_hashes
 from mmserve.actors.faults import fault
-from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip
+from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip, is_rejection, log_rejection
 
 from mmserve.inputs.image_budget import check_image_size
 from mmserve.models.adapter import Adapter, PromptInputs
@@ -152,6 +152,7 @@ class Intake(Actor):
         self.limiter = trio.CapacityLimiter(limits.decode_concurrency)
         self.fetch_limiter = trio.CapacityLimiter(limits.remote_image_policy.fetch_concurrency)
         self.awaiting_load = 0  # requests in flight that wait for their model to load
+        self.on_reject: Callable[[str], None] | None = None  # counts a refused request by its reason
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -199,16 +200,23 @@ class Intake(Actor):
         try:
             await self._prepare_one(handle, log)
         except MMServeError as e:
-            log.info("intake.rejected", status=e.status, error=e.message)
-            handle.fail(e)
+            self._refuse(handle, log, e)
         except ValueError as e:  # the processor's own complaints about the input (e.g. placeholder counts)
-            log.info("intake.rejected", status=400, error=str(e))
-            handle.fail(BadRequest(f"the request could not be prepared: {clip(str(e))}"))
+            self._refuse(handle, log, BadRequest(f"the request could not be prepared: {clip(str(e))}"))
         except Exception as e:
             self.fail_request(handle, e, "intake")
         # not in a `finally`: a request caught in a crash stays in in_flight, for the supervisor to fail
         self.in_flight.pop(handle.request_id, None)
         self.progressed()
+
+    def _refuse(self, handle: RequestHandle, log, error: MMServeError) -> None:
+        """Answers a request its input got refused (one `request.rejected` line, counted by
+        `on_reject`); a typed 500 or 504 raised here is a failure of the request instead."""
+        if not is_rejection(error):
+            return self.fail_request(handle, error, "intake")
+        if log_rejection(log, error) and self.on_reject is not None:
+            self.on_reject(error.reason)
+        handle.fail(error)
 
     async def _prepare_one(self, handle: RequestHandle, log) -> None:
         if not handle.active:

@@ -70,13 +70,19 @@ def create_app(rt: Runtime) -> QuartTrio:
         response.headers["x-request-id"] = getattr(g, "client_request_id", None) or getattr(g, "request_id", "")
         return response
 
+    def rejected(err: MMServeError) -> Response:
+        # every refused request is visible: one request.rejected line (unless a deeper layer logged
+        # it already) and mmserve:request_rejected_total{reason}
+        rt.reject(err, getattr(g, "request_id", None), getattr(g, "client_request_id", None))
+        return error_response(err)
+
     @app.errorhandler(MMServeError)
     async def on_mmserve_error(err: MMServeError):
-        return error_response(err)
+        return rejected(err)
 
     @app.errorhandler(HTTPException)
     async def on_http_error(exc: HTTPException):
-        return error_response(_http_error(exc))
+        return rejected(_http_error(exc))
 
     @app.errorhandler(Exception)
     async def on_unexpected(exc: Exception):
@@ -137,7 +143,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     async def chat_completions():
         body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
         parsed = rt.parse(body)
-        stream = rt.chat(request=parsed, client_request_id=g.client_request_id)
+        stream = rt.chat(request=parsed, client_request_id=g.client_request_id, request_id=g.request_id)
         g.request_id = stream.request_id
         if not parsed.stream:
             return openai_json.completion(await complete(stream))

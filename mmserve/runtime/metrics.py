@@ -44,6 +44,9 @@ class Metrics:
         self.reencoded = Counter("mmserve:reencoded_images", "Images encoded again by preempted sequences "
                                  "whose cached KV of them was evicted before they resumed.", label,
                                  registry=self.registry)
+        self.rejections = Counter("mmserve:request_rejected", "Requests refused before any model work (4xx, "
+                                  "503), by reason: the error's code, or its type.", ["reason"],
+                                  registry=self.registry)
 
     def attach(self, runtime: "Runtime") -> None:
         self.registry.register(_RuntimeCollector(runtime))
@@ -64,6 +67,9 @@ class Metrics:
 
     def reencoded_images(self, model: str, images: int) -> None:
         self.reencoded.labels(model).inc(images)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
 
     def token_gap(self, model: str, seconds: float) -> None:
         self.itl.labels(model).observe(seconds)

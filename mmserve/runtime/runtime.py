@@ -26,7 +26,7 @@ from mmserve.actors.intake import Intake
 from mmserve.actors.messages import ClearCache, RequestHandle, Route, Submit
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.config import Config, load_config
-from mmserve.errors import BadRequest, Overloaded, ServiceUnavailable
+from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
 from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
@@ -68,6 +68,7 @@ class Runtime:
         self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
         self.metrics = Metrics()
         self.metrics.attach(self)
+        self.intake.on_reject = self.metrics.rejected
 
     @classmethod
     @asynccontextmanager
@@ -238,7 +239,7 @@ class Runtime:
         return dataclasses.replace(request, tools=tools)
 
     def chat(self, messages: list | None = None, *, request: ChatRequest | dict | None = None,
-             client_request_id: str | None = None, **params: Any) -> ChatStream:
+             client_request_id: str | None = None, request_id: str | None = None, **params: Any) -> ChatStream:
         """Starts a chat request and returns its stream of deltas.
 
         Either `messages` plus OpenAI parameters as keywords (`model`, `max_tokens`, `temperature`,
@@ -247,28 +248,43 @@ class Runtime:
 
         Every request gets a fresh internal id (`stream.request_id`) that keys all of its state;
         `client_request_id` is the caller's label for it, logged beside the internal id and
-        searchable with `mmserve trace`, and may be shared by any number of requests.
+        searchable with `mmserve trace`, and may be shared by any number of requests. (`request_id`:
+        an internal id the HTTP layer minted already, never a client's.) A refused request logs one
+        `request.rejected` line and counts in `mmserve:request_rejected_total`.
         """
-        if not isinstance(request, ChatRequest):
-            body = dict(request or {}, **params)
-            if messages is not None:
-                body["messages"] = messages
-            request = self.parse(body)
-        request = self._bind_tools(request)  # a ChatRequest parsed elsewhere
-        self.registry.configured(request.model)
-        health = self.supervisor.health(request.model)  # a model that failed to load is tried again
-        if not health.ok:  # fail fast: never queue behind a dead, hung or draining actor
-            raise ServiceUnavailable(f"model {request.model!r} cannot answer now: {health.reason}",
-                                     retry_after_s=health.retry_after_s)
-        self._admit_or_refuse()
+        request_id = request_id or new_request_id()
+        try:
+            if not isinstance(request, ChatRequest):
+                body = dict(request or {}, **params)
+                if messages is not None:
+                    body["messages"] = messages
+                request = self.parse(body)
+            request = self._bind_tools(request)  # a ChatRequest parsed elsewhere
+            self.registry.configured(request.model)
+            health = self.supervisor.health(request.model)  # a model that failed to load is tried again
+            if not health.ok:  # fail fast: never queue behind a dead, hung or draining actor
+                raise ServiceUnavailable(f"model {request.model!r} cannot answer now: {health.reason}",
+                                         retry_after_s=health.retry_after_s)
+            self._admit_or_refuse()
+        except MMServeError as e:
+            model = request.model[:128] if isinstance(request, ChatRequest) else None
+            self.reject(e, request_id, client_request_id, model)
+            raise
         send, receive = trio.open_memory_channel(math.inf)
-        handle = RequestHandle(new_request_id(), request, send, client_request_id=client_request_id)
+        handle = RequestHandle(request_id, request, send, client_request_id=client_request_id)
         self._live.add(handle)
         self.log.info("request.received", request_id=handle.request_id, client_request_id=client_request_id,
                       model=request.model,
                       images=request.num_images, messages=len(request.messages), stream=request.stream)
         self.intake.inbox_send.send_nowait(Submit(handle))
         return ChatStream(handle, receive, self.config.limits.request_timeout_s)
+
+    def reject(self, error: MMServeError, request_id: str | None, client_request_id: str | None = None,
+               model: str | None = None) -> None:
+        """The one `request.rejected` line of a refused request, and its count by reason (once per
+        error, however many layers it passes; failures — 500, 504 — are not rejections)."""
+        if log_rejection(self.log, error, request_id=request_id, client_request_id=client_request_id, model=model):
+            self.metrics.rejected(error.reason)
 
     def _admit_or_refuse(self) -> None:
         """Back-pressure: beyond `max_pending_requests` in flight, refuse with 429 + Retry-After."""
