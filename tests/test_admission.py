@@ -104,3 +104,23 @@ async def test_a_miss_is_answered_in_time_under_a_stream_of_cache_hits(demo_conf
             wrong.append(f"a step carried {widest[0]} requests with max_running_requests = 1")
         assert not wrong, "; ".join(wrong)
         await assert_nothing_held(rt)
+
+
+def test_a_waiting_hit_gives_its_blocks_back_before_a_running_sequence():
+    """Preemption picks the newest holder among those still waiting for admission (a hit holding
+    its pinned prefix) before the newest running one: the waiting one was not running anyway."""
+    from types import SimpleNamespace
+
+    from mmserve.actors.block_grants import BlockGrants
+    from mmserve.actors.sequence import SeqState
+
+    released = []
+    running_new = SimpleNamespace(state=SeqState.DECODING, table=[3], admitted=True, order=5, resumable=False,
+                                  chain=None, hashes=[], kv_len=16, request_id="run", tokens=[1])
+    waiting_old = SimpleNamespace(state=SeqState.PREFILLING, table=[1, 2], admitted=False, order=4,
+                                  resumable=False, chain=None, hashes=[b"h"], kv_len=32, request_id="hit", tokens=[])
+    gen = SimpleNamespace(seqs=[waiting_old, running_new], preemptions=0, metrics=None,
+                          _release=lambda s, final=True: released.append((s.request_id, final)),
+                          log=SimpleNamespace(info=lambda *a, **k: None))
+    assert BlockGrants._preempt_newest(gen) is waiting_old
+    assert released == [("hit", False)] and waiting_old.kv_len == 0

@@ -47,10 +47,12 @@ class BlockGrants:
         return []
 
     def _preempt_newest(self, spare: Sequence | None = None) -> Sequence | None:
-        """Frees every block of the newest sequence holding any (not `spare`); it is prefilled
+        """Frees every block of the newest sequence holding any (not `spare`) — one still waiting
+        for admission (a hit holding its pinned prefix) before any running one; it is prefilled
         again later, from what is still cached of its blocks on (its images encoded again where
         their KV is gone). None when no other sequence holds a block."""
-        victim = newest([s for s in self.seqs if s.state in LIVE and s is not spare and s.table])
+        holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table]
+        victim = newest([s for s in holders if not s.admitted]) or newest(holders)
         if victim is None:
             return None
         self._release(victim, final=False)
