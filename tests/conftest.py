@@ -34,6 +34,14 @@ def tiny_qwen_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen25_dir(tmp_path_factory):
+    """A random-weights tiny Qwen2.5-VL directory, as `mmserve make-model --random-weights --preset
+    tiny-qwen2.5-vl` writes it (window attention in the vision tower, M-RoPE, dynamic image sizes;
+    the output rows of tokens that are not text, EOS and the image pad among them, zeroed)."""
+    return build_untrained("tiny-qwen2.5-vl", tmp_path_factory.mktemp("tiny-qwen2.5-vl"), seed=0, random_weights=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_config(tiny_model_dir) -> Config:
     return on_device(Config(models=(ModelConfig("tiny", str(tiny_model_dir), default=True),)))
 

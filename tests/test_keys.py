@@ -160,6 +160,39 @@ def test_image_header_with_a_grid_is_layout_2_and_pinned():
         K.image_header(SIG, PROC, "RGB", (3, 2), pixels, (1, 0, 6))
 
 
+def test_qwen2_5_vl_image_header_is_layout_2_with_the_processor_settings_and_pinned(tmp_path):
+    """A Qwen2.5-VL image under the tiny-qwen2.5-vl preset's processor as a checkpoint holds it
+    (saved, then loaded as the adapter loads it): layout 2; the processor digest over every
+    setting — min/max pixels (as `size`), patch, merge and temporal patch size, resampling,
+    normalisation; then the size, the array header, and the grid those settings give a 20x12
+    image (upscaled to 48x32 to reach min_pixels: 4x6 patches)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from mmserve.models.demo.qwen import QWEN_PRESETS, build_image_processor
+
+    build_image_processor("tiny-qwen2.5-vl").save_pretrained(tmp_path)
+    settings = Qwen2VLImageProcessorPil.from_pretrained(tmp_path).to_dict()
+    assert K.canonical_json(settings) == (
+        b'{"do_convert_rgb":true,"do_normalize":true,"do_rescale":true,"do_resize":true,'
+        b'"image_mean":[0.48145466,0.4578275,0.40821073],"image_processor_type":"Qwen2VLImageProcessor",'
+        b'"image_std":[0.26862954,0.26130258,0.27577711],"merge_size":2,"patch_size":8,"resample":3,'
+        b'"rescale_factor":0.00392156862745098,"size":{"longest_edge":16384,"shortest_edge":1024},'
+        b'"temporal_patch_size":2}')
+    digest = processor_digest(settings)
+    assert digest == 0x2AAB237EBE8D3512
+    grid = QWEN_PRESETS["tiny-qwen2.5-vl"].grid(20, 12)
+    assert grid == (1, 4, 6)
+    pixels = np.arange(20 * 12 * 3, dtype=np.uint16).astype(np.uint8).reshape(12, 20, 3)
+    header = K.image_header(SIG, digest, "RGB", (20, 12), pixels, grid)
+    assert header == b"".join([struct.pack("<HBQQ", 2, 1, SIG, digest), lp("RGB"), struct.pack("<II", 20, 12),
+                               lp("|u1"), struct.pack("<IIII", 3, 12, 20, 3), struct.pack("<III", *grid)])
+    assert header.hex() == (
+        "020001080706050403020112358dbe7e23ab2a03000000524742140000000c000000030000007c7531030000000c00000014"
+        "00000003000000010000000400000006000000"
+    )
+    assert mm_hash_image(SIG, digest, "RGB", (20, 12), pixels, grid=grid).hex() == "7035dfe0068aa1dbbedbab294da435af"
+
+
 def test_audio_header_and_hash_are_pinned():
     samples = np.array([0.0, 0.5, -1.0], dtype=np.float32)
     header = K.audio_header(1, 2, samples, 16000)

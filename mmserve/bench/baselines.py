@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from mmserve.actors.intake import decode_images, hf_messages
 from mmserve.bench.common import MODEL, Timing, median
-from mmserve.bench.model import QWEN, family
+from mmserve.bench.model import family, is_qwen
 from mmserve.config import LimitsConfig
 from mmserve.inputs.request import parse_chat_request
 from mmserve.models.adapter import StepOutput
@@ -76,7 +76,7 @@ def release_device_memory(device: torch.device | str) -> None:
 def hf_baseline(path, device: str = "cpu", dtype: str = "float32", model=None) -> "HFBaseline":
     """The raw-transformers baseline of the checkpoint's family (on `model`, when given: the
     benchmark shares one loaded model with `SuffixPrefill`, which a 7B model on a GPU needs)."""
-    cls = QwenHFBaseline if family(path) == QWEN else HFBaseline
+    cls = QwenHFBaseline if is_qwen(family(path)) else HFBaseline
     return cls(path, device, dtype, model=model)
 
 
@@ -143,8 +143,8 @@ class HFBaseline:
 
 
 class QwenHFBaseline(HFBaseline):
-    """A Qwen2-VL checkpoint: tokenizer + `Qwen2VLImageProcessorPil` + the model, inputs by hand.
-    transformers computes M-RoPE positions with the attention mask (left padding is skipped), so
+    """A Qwen2-VL or Qwen2.5-VL checkpoint: tokenizer + `Qwen2VLImageProcessorPil` + the model,
+    inputs by hand. transformers computes M-RoPE positions with the attention mask (left padding is skipped), so
     a padded row generates what it generates alone (tests/test_bench_qwen.py checks it)."""
 
     def _load_preprocessing(self, path) -> None:

@@ -13,7 +13,7 @@ import httpx
 
 from mmserve.bench.baselines import HFBaseline, SuffixPrefill, hf_baseline, release_device_memory
 from mmserve.bench.common import MODEL, QUESTIONS, QWEN_IMAGE_SIZES, Images, Timing, timed_chat, timed_http
-from mmserve.bench.model import QWEN, family
+from mmserve.bench.model import family, is_qwen
 from mmserve.bench.params import BenchParams
 from mmserve.bench.servers import bench_config, http_server, open_runtime
 from mmserve.actors import compute
@@ -28,9 +28,9 @@ class Bench:
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
         self.note = note
-        self.family = family(self.model_dir)  # "llava" or "qwen2_vl", from config.json
-        # Qwen2-VL's token count follows an image's size: vary it; LLaVA keeps its 64x64 images
-        self.images = Images(QWEN_IMAGE_SIZES if self.family == QWEN else ())
+        self.family = family(self.model_dir)  # "llava", "qwen2_vl" or "qwen2_5_vl", from config.json
+        # a Qwen's token count follows an image's size: vary it; LLaVA keeps its 64x64 images
+        self.images = Images(QWEN_IMAGE_SIZES if is_qwen(self.family) else ())
         self._images = itertools.count()
         self._warmups = itertools.count(WARMUP_IMAGE)
         self._hf: HFBaseline | None = None

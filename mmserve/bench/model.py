@@ -8,15 +8,16 @@ rows of every token that does not decode to visible text on its own (special tok
 their logits are 0 while the best of the ~200 others is positive, so greedy decoding never picks
 them. Shapes and costs are those of the preset; nothing else changes.
 
-Both families are built this way: LLaVA presets (`bench`, `tiny`, ...) and Qwen2-VL ones
-(`bench-qwen`, `tiny-qwen`, ...; the Qwen tokenizer's vision tokens are special, so a random
-Qwen model never emits an image pad either). Which family a checkpoint is comes from its
-config.json, as for `mmserve serve`.
+Every family is built this way: LLaVA presets (`bench`, `tiny`, ...), Qwen2-VL ones (`bench-qwen`,
+`tiny-qwen`, ...) and Qwen2.5-VL ones (`tiny-qwen2.5-vl`, `qwen2.5-vl-7b`; the Qwen tokenizer's
+vision tokens are special, so a random Qwen model never emits an image pad either). Which family a
+checkpoint is comes from its config.json, as for `mmserve serve`.
 
-Presets too large for a weights file to be worth writing (`llava-7b`, `qwen2-vl-7b`), or any preset
-with `random_weights`, are built as random-weights directories instead (no weight file; the model
-is drawn from a seed, on the device, where it is loaded: mmserve.models.random_weights). Their
-silenced tokens are the same ones, listed in the directory's marker and zeroed at load.
+Presets too large for a weights file to be worth writing (`llava-7b`, `qwen2-vl-7b`,
+`qwen2.5-vl-7b`), or any preset with `random_weights`, are built as random-weights directories
+instead (no weight file; the model is drawn from a seed, on the device, where it is loaded:
+mmserve.models.random_weights). Their silenced tokens are the same ones, listed in the
+directory's marker and zeroed at load.
 """
 
 from __future__ import annotations
@@ -34,15 +35,24 @@ from mmserve.models.random_weights import remove_marker, silence, silent_token_i
 
 MARKER = "bench-model.json"
 QWEN = "qwen2_vl"
-RANDOM_ONLY = frozenset({"llava-7b", "qwen2-vl-7b"})
-"""Presets the benchmark always builds as random-weights directories (a weights file of 14-15 GB
+QWEN_FAMILIES = frozenset({QWEN, "qwen2_5_vl"})
+"""model_types run the Qwen2-VL way: dynamic image sizes, inputs built by hand, M-RoPE positions."""
+RANDOM_ONLY = frozenset({"llava-7b", "qwen2-vl-7b", "qwen2.5-vl-7b"})
+"""Presets the benchmark always builds as random-weights directories (a weights file of 14-16 GB
 would only be written to be read back)."""
 
 
 def family(model_dir) -> str:
-    """The checkpoint's model_type as the benchmark treats it: "qwen2_vl", else "llava" (a directory
-    without a readable config.json is refused by `load_adapter` before the benchmark reaches it)."""
-    return QWEN if model_type(model_dir) == QWEN else "llava"
+    """The checkpoint's model_type as the benchmark treats it: "qwen2_vl" or "qwen2_5_vl", else
+    "llava" (a directory without a readable config.json is refused by `load_adapter` before the
+    benchmark reaches it)."""
+    kind = model_type(model_dir)
+    return kind if kind in QWEN_FAMILIES else "llava"
+
+
+def is_qwen(kind: str) -> bool:
+    """Whether a `family` runs the Qwen2-VL way (QWEN_FAMILIES)."""
+    return kind in QWEN_FAMILIES
 
 
 def family_name(kind: str) -> str:
@@ -115,7 +125,8 @@ def built_preset(model_dir) -> str | None:
 
 def tokens_per_image(model_dir, images, n: int) -> dict[str, int]:
     """Image tokens of images(0..n-1), keyed "WxH", as the checkpoint's Qwen2-VL image processor
-    counts them (the image's grid, merged): the placeholder run each image takes in a prompt."""
+    (Qwen2.5-VL's is the same) counts them (the image's grid, merged): the placeholder run each
+    image takes in a prompt."""
     from transformers import Qwen2VLImageProcessorPil
 
     processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)

@@ -62,9 +62,10 @@ def unavailable() -> str | None:
 
 def unsupported(family: str) -> str | None:
     """Why `transformers serve` cannot serve a checkpoint of this family here, or None."""
-    if family == "qwen2_vl":  # mmserve.bench.model.QWEN (peer.py stays free of the model builders)
-        return ("`transformers serve` loads a Qwen2-VL checkpoint with AutoProcessor, whose video processor "
-                "needs torchvision (no build of it fits this torch)")
+    names = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}  # bench.model.QWEN_FAMILIES (no builders here)
+    if family in names:
+        return (f"`transformers serve` loads a {names[family]} checkpoint with AutoProcessor, whose video "
+                "processor needs torchvision (no build of it fits this torch)")
     return None
 
 

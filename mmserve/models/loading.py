@@ -14,12 +14,12 @@ from mmserve.errors import NotACheckpoint, UnsupportedModelType
 if TYPE_CHECKING:
     from mmserve.models.adapter import Adapter
 
-FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL"}
+FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
 """model_type -> family name, for every family mmserve serves."""
 
 
 def served_model_types() -> str:
-    """`llava (LLaVA), qwen2_vl (Qwen2-VL)`: for messages and help texts."""
+    """`llava (LLaVA), qwen2_vl (Qwen2-VL), qwen2_5_vl (Qwen2.5-VL)`: for messages and help texts."""
     return ", ".join(f"{kind} ({family})" for kind, family in FAMILIES.items())
 
 
@@ -60,8 +60,11 @@ def check_checkpoint(name: str, path: str | Path) -> str:
 def load_adapter(name: str, path: str | Path, device: str = "cpu", dtype: str = "float32", *,
                  hash_algorithm: str = "xxh3_128") -> Adapter:
     """Loads the checkpoint at `path` with its family's adapter."""
-    if check_checkpoint(name, path) == "qwen2_vl":
+    kind = check_checkpoint(name, path)
+    if kind == "qwen2_vl":
         from mmserve.models.qwen2_vl import Qwen2VLAdapter as cls
+    elif kind == "qwen2_5_vl":
+        from mmserve.models.qwen2_5_vl import Qwen2_5_VLAdapter as cls
     else:
         from mmserve.models.llava import LlavaAdapter as cls
     return cls(name, path, device=device, dtype=dtype, hash_algorithm=hash_algorithm)

@@ -1,6 +1,9 @@
-"""Qwen2-VL presets and builders: the trained ``demo-qwen`` and random-weight shapes of the family.
+"""Qwen2-VL and Qwen2.5-VL presets and builders: the trained ``demo-qwen`` and random-weight shapes.
 
-Every preset is a plain ``Qwen2VLForConditionalGeneration`` saved with ``save_pretrained`` next to
+Every preset is a plain ``Qwen2VLForConditionalGeneration`` (a :class:`Qwen25Preset`:
+``Qwen2_5_VLForConditionalGeneration``, whose vision tower has window attention and an MLP of its
+own width; its text model, M-RoPE and image processor are Qwen2-VL's) saved with
+``save_pretrained`` next to
 the demo byte-level BPE tokenizer (Qwen's vision tokens, :func:`.tokenizer.build_qwen_tokenizer`)
 and a ``Qwen2VLImageProcessorPil``. ``Qwen2VLProcessor`` is never built: its video processor needs
 torchvision. A checkpoint directory therefore loads, offline, with three calls::
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import ClassVar
 
 import torch
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+from transformers import (AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig,
+                          Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmserve.config import DEMO_CHECKPOINTS
@@ -32,6 +37,8 @@ from .tokenizer import build_qwen_tokenizer, generation_config
 @dataclasses.dataclass(frozen=True)
 class QwenPreset:
     """Sizes of one Qwen2-VL model and its image processor."""
+
+    model_type: ClassVar[str] = "qwen2_vl"
 
     name: str
     # image processor (and the vision config's patch geometry)
@@ -71,6 +78,20 @@ class QwenPreset:
         return gh * gw // self.merge_size**2
 
 
+@dataclasses.dataclass(frozen=True)
+class Qwen25Preset(QwenPreset):
+    """Sizes of one Qwen2.5-VL model. Its vision tower differs from Qwen2-VL's: blocks of width
+    ``vision_embed`` with a gated MLP of ``vision_intermediate``, attention within windows of
+    ``window_size`` pixels except in ``fullatt_blocks``, and a merger straight to the text width."""
+
+    model_type: ClassVar[str] = "qwen2_5_vl"
+
+    vision_intermediate: int = 0
+    window_size: int = 112  # pixels: a window is window_size // (patch_size * merge_size) merged tokens a side
+    fullatt_blocks: tuple[int, ...] = ()  # vision blocks with full attention (the others: windows)
+    tokens_per_second: int = 2  # video only (temporal positions); images do not use it
+
+
 QWEN_PRESETS: dict[str, QwenPreset] = {
     # trained demo model: 32..128 px images give 4..64 tokens
     "demo-qwen": QwenPreset(
@@ -104,6 +125,26 @@ QWEN_PRESETS: dict[str, QwenPreset] = {
         text_hidden=3584, text_layers=28, text_heads=28, text_kv_heads=4, text_intermediate=18944,
         mrope_section=(16, 24, 24), max_position_embeddings=32768, dtype="bfloat16",
     ),
+    # Qwen2.5-VL, random weights, smallest: 2 vision blocks, the first windowed (windows of 2x2
+    # merged tokens: 32 px), the second full; 32..128 px images give 4..64 tokens
+    "tiny-qwen2.5-vl": Qwen25Preset(
+        name="tiny-qwen2.5-vl",
+        patch_size=8, merge_size=2, min_pixels=32 * 32, max_pixels=128 * 128,
+        vision_embed=32, vision_depth=2, vision_heads=2, vision_intermediate=64,
+        window_size=32, fullatt_blocks=(1,),
+        text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=128,
+        mrope_section=(2, 3, 3), rope_theta=1e4,
+    ),
+    # Qwen2.5-VL-7B-Instruct's real shape (the demo vocabulary; max_pixels as qwen2-vl-7b's, the
+    # model card's recommended 1280 tokens an image); ~16 GB in bfloat16: built only on request
+    "qwen2.5-vl-7b": Qwen25Preset(
+        name="qwen2.5-vl-7b",
+        patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
+        vision_embed=1280, vision_depth=32, vision_heads=16, vision_intermediate=3420,
+        window_size=112, fullatt_blocks=(7, 15, 23, 31),
+        text_hidden=3584, text_layers=28, text_heads=28, text_kv_heads=4, text_intermediate=18944,
+        mrope_section=(16, 24, 24), max_position_embeddings=128000, dtype="bfloat16",
+    ),
 }
 
 
@@ -113,7 +154,8 @@ def get_qwen_preset(preset: str | QwenPreset) -> QwenPreset:
     try:
         return QWEN_PRESETS[preset]
     except KeyError:
-        raise ValueError(f"unknown Qwen2-VL preset {preset!r}; expected one of {sorted(QWEN_PRESETS)}") from None
+        raise ValueError(f"unknown Qwen2-VL / Qwen2.5-VL preset {preset!r}; expected one of "
+                         f"{sorted(QWEN_PRESETS)}") from None
 
 
 def build_image_processor(preset: str | QwenPreset) -> Qwen2VLImageProcessorPil:
@@ -129,21 +171,33 @@ def build_image_processor(preset: str | QwenPreset) -> Qwen2VLImageProcessorPil:
     return ip
 
 
-def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig:
+def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig | Qwen2_5_VLConfig:
     p = get_qwen_preset(preset)
     head_dim = p.text_hidden // p.text_heads
     if sum(p.mrope_section) * 2 != head_dim:
         raise ValueError(f"{p.name}: mrope_section {p.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
-    vision = dict(
-        depth=p.vision_depth,
-        embed_dim=p.vision_embed,
-        hidden_size=p.text_hidden,  # the merger's output feeds the text model directly
-        num_heads=p.vision_heads,
-        mlp_ratio=4,
-        patch_size=p.patch_size,
-        spatial_merge_size=p.merge_size,
-        temporal_patch_size=p.temporal_patch_size,
-    )
+    geometry = dict(patch_size=p.patch_size, spatial_merge_size=p.merge_size, temporal_patch_size=p.temporal_patch_size)
+    if isinstance(p, Qwen25Preset):
+        vision = dict(
+            depth=p.vision_depth,
+            hidden_size=p.vision_embed,
+            intermediate_size=p.vision_intermediate,
+            num_heads=p.vision_heads,
+            out_hidden_size=p.text_hidden,  # the merger's output feeds the text model directly
+            window_size=p.window_size,
+            fullatt_block_indexes=list(p.fullatt_blocks),
+            tokens_per_second=p.tokens_per_second,
+            **geometry,
+        )
+    else:
+        vision = dict(
+            depth=p.vision_depth,
+            embed_dim=p.vision_embed,
+            hidden_size=p.text_hidden,  # the merger's output feeds the text model directly
+            num_heads=p.vision_heads,
+            mlp_ratio=4,
+            **geometry,
+        )
     text = dict(
         vocab_size=len(tokenizer),
         hidden_size=p.text_hidden,
@@ -160,7 +214,8 @@ def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = Qwen2VLConfig(
+    config_class = Qwen2_5_VLConfig if isinstance(p, Qwen25Preset) else Qwen2VLConfig
+    config = config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=tokenizer.image_token_id,
@@ -174,10 +229,13 @@ def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig:
 
 
 def build_qwen_model(preset: str | QwenPreset, tokenizer, seed: int = 0) -> Qwen2VLForConditionalGeneration:
+    """The preset's model (Qwen2VL- or Qwen2_5_VLForConditionalGeneration) with transformers'
+    own random init from `seed`."""
     p = get_qwen_preset(preset)
     config = build_qwen_config(p, tokenizer)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration._from_config(config, dtype=getattr(torch, p.dtype))
+    model_class = AutoModelForImageTextToText._model_mapping[type(config)]
+    model = model_class._from_config(config, dtype=getattr(torch, p.dtype))
     model.generation_config = generation_config(tokenizer)
     model.eval()
     return model
@@ -202,7 +260,7 @@ def build_untrained_qwen(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
 
 
 def write_random_qwen(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
-    """A random-weights directory of a Qwen2-VL preset: config, tokenizer, image processor and the
+    """A random-weights directory of a Qwen2-VL or Qwen2.5-VL preset: config, tokenizer, image processor and the
     marker, no weight file (:mod:`mmserve.models.random_weights`)."""
     p = get_qwen_preset(preset)
     tok = build_qwen_tokenizer()
