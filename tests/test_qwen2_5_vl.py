@@ -95,7 +95,7 @@ def test_an_unserved_model_type_names_qwen2_5_vl(tmp_path):
 
 
 def test_the_7b_preset_has_qwen2_5_vl_7b_shapes():
-    """Config (and a parameter count on the meta device) only: the model is ~16 GB in bfloat16."""
+    """Config (and a parameter count on the meta device) only: the model is ~14 GB in bfloat16."""
     from transformers import AutoModelForImageTextToText
 
     config = build_qwen_config("qwen2.5-vl-7b", build_qwen_tokenizer())

@@ -38,7 +38,7 @@ QWEN = "qwen2_vl"
 QWEN_FAMILIES = frozenset({QWEN, "qwen2_5_vl"})
 """model_types run the Qwen2-VL way: dynamic image sizes, inputs built by hand, M-RoPE positions."""
 RANDOM_ONLY = frozenset({"llava-7b", "qwen2-vl-7b", "qwen2.5-vl-7b"})
-"""Presets the benchmark always builds as random-weights directories (a weights file of 14-16 GB
+"""Presets the benchmark always builds as random-weights directories (a weights file of 14-15 GB
 would only be written to be read back)."""
 
 

@@ -136,7 +136,7 @@ QWEN_PRESETS: dict[str, QwenPreset] = {
         mrope_section=(2, 3, 3), rope_theta=1e4,
     ),
     # Qwen2.5-VL-7B-Instruct's real shape (the demo vocabulary; max_pixels as qwen2-vl-7b's, the
-    # model card's recommended 1280 tokens an image); ~16 GB in bfloat16: built only on request
+    # model card's recommended 1280 tokens an image); 7.2e9 parameters, ~14 GB in bfloat16: built only on request
     "qwen2.5-vl-7b": Qwen25Preset(
         name="qwen2.5-vl-7b",
         patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280,
