@@ -394,3 +394,45 @@ class OwnershipMachine(RuleBasedStateMachine):
 TestOwnership = OwnershipMachine.TestCase
 TestOwnership.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+async def test_a_parked_lookup_that_raises_when_looked_up_again_fails_alone():
+    """A lookup parked on another request's blocks is looked up again when that request commits;
+    if that re-run raises, the waiter fails (PrefixFailed to its own channel) and the committer's
+    commit stands — the error is never blamed on the request whose commit woke it."""
+    from mmserve.actors.messages import lookup_pin
+
+    manager = PrefixCacheManager("ownership", KVCacheConfig(block_size=BLOCK, inflight_wait_s=WAIT_S), NUM_BLOCKS)
+    a_send, a_answers = trio.open_memory_channel(4)
+    b_send, b_answers = trio.open_memory_channel(4)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(manager.run)
+        manager.inbox_send.send_nowait(Lookup("a", PROMPTS[2], a_send))
+        manager.inbox_send.send_nowait(Lookup("b", PROMPTS[2], b_send))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await a_answers.receive()).blocks == () and manager.inflight.is_parked("b")
+        granted = dict((await _grant(manager, [("a", len(PROMPTS[2]))])).granted)["a"]
+        real_lookup = manager.arena.lookup
+
+        def failing(hashes, owner):
+            if owner == lookup_pin("b"):
+                raise RuntimeError("boom in b's lookup")
+            return real_lookup(hashes, owner)
+
+        manager.arena.lookup = failing
+        manager.inbox_send.send_nowait(Commit("a", tuple(enumerate(PROMPTS[2])), reply=a_send))
+        await trio.testing.wait_all_tasks_blocked()
+        failed = b_answers.receive_nowait()
+        assert isinstance(failed, PrefixFailed) and failed.request_id == "b" and "boom" in str(failed.error)
+        with pytest.raises(trio.WouldBlock):
+            a_answers.receive_nowait()  # a's commit was not blamed
+        assert manager.arena.table("a") == granted and manager.arena.peek(PROMPTS[2]) == len(PROMPTS[2])
+        manager.arena.check_invariants()
+        nursery.cancel_scope.cancel()
+
+
+async def _grant(manager, needs):
+    send, receive = trio.open_memory_channel(1)
+    manager.inbox_send.send_nowait(Allocate(tuple(needs), send))
+    with trio.fail_after(5):
+        return await receive.receive()
