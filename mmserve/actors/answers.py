@@ -39,6 +39,8 @@ class Answers:
             return
         if seq.state is SeqState.PREFILLING:
             seq.move(SeqState.DECODING)
+        if seq.params.max_tokens == 0:  # /v1/completions scoring its prompt: nothing is generated
+            return self._finish(seq, "length")
         self._accept(seq, result)
 
     def _commit_full_blocks(self, seq: Sequence) -> None:

@@ -25,7 +25,7 @@ from mmserve.actors.choices import BlockCopy, children, fork_of
 from mmserve.actors.faults import fault
 from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
-from mmserve.actors.messages import FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Release, copy_pin
+from mmserve.actors.messages import FinishEvent, GenerateJob, TokenEvent, KVEpoch, PrefixFailed, Release, copy_pin
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
 from mmserve.cache.block_hash import BlockChain
@@ -222,6 +222,8 @@ class Generator(BlockGrants, Answers, Actor):
         self.steps += 1
         duration = round(time.monotonic() - t0, 6)
         for p, result in zip(plan, results):
+            if p.seq.job.handle.request.prompt is not None and not isinstance(result, (int, Exception)):
+                self._echo(p.seq)  # a completions prompt's prefill ended: its echo before any token
             if isinstance(result, list):  # its prefill ended: every choice's first token
                 result = await self._fork(p, result)
             self._apply(p, result)
@@ -378,6 +380,17 @@ class Generator(BlockGrants, Answers, Actor):
                 self._copies.append(copy)
             self._accept(child, first)
         return firsts[0]
+
+    def _echo(self, seq: Sequence) -> None:
+        """With `echo`, every choice's text starts with the prompt's (its text as sent, or its ids
+        decoded), once per request: a sequence prefilled again after a preemption sends nothing."""
+        raw = seq.handle.request.prompt
+        if not raw.echo or seq.echoed or seq.choice:
+            return
+        seq.echoed = True
+        text = raw.text if raw.text is not None else self.adapter.decode_special(seq.job.prompt.input_ids)
+        for c in range(seq.handle.choices):
+            seq.handle.emit(TokenEvent(text, -1, c))
 
     def _release_forked(self, forked) -> None:
         """What the manager gave a request's choices goes back (they will not run)."""

@@ -26,7 +26,7 @@ from mmserve.models.adapter import Adapter, PromptInputs
 from mmserve.config import KVCacheConfig, LimitsConfig
 from mmserve.inputs.images import data_url_bytes, open_image
 from mmserve.inputs.remote_images import fetch_images, is_remote_url
-from mmserve.inputs.request import ChatRequest, ImagePart, TextPart
+from mmserve.inputs.request import ChatRequest, ImagePart, RawPrompt, TextPart
 from mmserve.inputs.tools import hf_tool_calls
 
 
@@ -107,20 +107,43 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
     fault("intake.prepare", label)
     for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
         check_image_size(adapter.image_processor, img.width, img.height, limits, where)
-    prompt = adapter.tokenize(hf_messages(request), images, hf_tools(adapter, request),
-                              request.template.render_args() or None)
-    keys = tuple(adapter.image_key(img) for img in images)
-    prompt = dataclasses.replace(prompt, mm_keys=keys)
+    if request.prompt is not None:  # /v1/completions: the raw prompt, no chat template
+        prompt = adapter.tokenize_raw(raw_prompt_ids(adapter, request.prompt))
+    else:
+        prompt = adapter.tokenize(hf_messages(request), images, hf_tools(adapter, request),
+                                  request.template.render_args() or None)
+        keys = tuple(adapter.image_key(img) for img in images)
+        prompt = dataclasses.replace(prompt, mm_keys=keys)
+    param = "messages" if request.prompt is None else "prompt"
     if len(prompt.input_ids) > limits.max_prompt_tokens:
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens, above this server's limit of "
-            f"{limits.max_prompt_tokens}", param="messages", code="context_length_exceeded")
+            f"{limits.max_prompt_tokens}", param=param, code="context_length_exceeded")
     max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
     if max_pos and len(prompt.input_ids) >= max_pos:
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens; model {adapter.name!r} has a context "
-            f"of {max_pos}", param="messages", code="context_length_exceeded")
+            f"of {max_pos}", param=param, code="context_length_exceeded")
     return prompt
+
+
+def raw_prompt_ids(adapter: Adapter, raw: RawPrompt) -> tuple[int, ...]:
+    """A completions prompt's token ids: its text tokenized as it is (the tokenizer's special
+    tokens added when `add_special_tokens`, as vLLM does), or its ids, checked against the model."""
+    if raw.token_ids is not None:
+        ids = raw.token_ids
+    else:
+        ids = tuple(adapter.tokenizer(raw.text, add_special_tokens=raw.add_special_tokens)["input_ids"])
+    if not ids:
+        raise BadRequest("the prompt is empty: it makes no tokens", param="prompt")
+    bad = next((t for t in ids if t >= adapter.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"the prompt holds token id {bad}; model {adapter.name!r} has {adapter.vocab_size} "
+                         "tokens", param="prompt")
+    if adapter.image_token_id in ids:
+        raise BadRequest("the prompt holds the image placeholder token: /v1/completions is text-only "
+                         "(send images to /v1/chat/completions)", param="prompt")
+    return ids
 
 
 def _decode_and_prepare(adapter: Adapter, request: ChatRequest, limits: LimitsConfig, fetched, label,

@@ -54,6 +54,7 @@ class Sequence:
     # running (`generation.scheduler`): a step planned it; kept until it ends, through preemptions.
     # A forked choice is born admitted: it exists once its parent's prefill ran, and counts as its request.
     admitted: bool = False
+    echoed: bool = False  # /v1/completions' echo: the prompt's text was sent to the caller
 
     def __post_init__(self) -> None:
         self.admitted = self.admitted or self.choice > 0

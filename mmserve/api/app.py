@@ -17,6 +17,7 @@ from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mmserve.api import openai_json
 from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, complete, new_request_id
+from mmserve.runtime.stream import Usage
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # application/json, or a structured-syntax JSON type such as application/merge-patch+json (RFC 6839)
@@ -157,6 +158,34 @@ def create_app(rt: Runtime) -> QuartTrio:
         response.timeout = None  # a long stream must not be cut by Quart's response timeout
         return response
 
+    @app.post("/v1/completions")
+    async def completions():
+        """OpenAI's legacy completions: one request per prompt on the chat path, untemplated."""
+        body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
+        parsed = rt.parse_completions(body)
+        streams: list[ChatStream] = []
+        try:
+            for one in parsed:
+                streams.append(rt.chat(request=one, client_request_id=g.client_request_id,
+                                       request_id=None if streams else g.request_id))
+            g.request_id = streams[0].request_id
+            if not parsed[0].stream:
+                done = [await complete(s) for s in streams]  # they run at once; read in order
+                n = parsed[0].sampling.n
+                u = Usage(sum(d.usage.prompt_tokens for d in done), sum(d.usage.completion_tokens for d in done),
+                          sum(d.usage.cached_tokens for d in done))
+                choices = [(k * n + ch.index, ch) for k, d in enumerate(done) for ch in d.choices]
+                return openai_json.text_completion(streams[0].id, streams[0].model, done[0].created, choices, u)
+            first = await streams[0].__anext__()
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        response = Response(_text_sse(streams, first, parsed[0].include_usage), mimetype="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None
+        return response
+
     return app
 
 
@@ -282,3 +311,42 @@ async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
         yield openai_json.DONE
     finally:
         stream.close()
+
+
+async def _text_sse(streams: list[ChatStream], first: Delta, include_usage: bool):
+    """A legacy completion's stream: each prompt's chunks in turn (all of them run at once; later
+    prompts' deltas wait in their channels), choices indexed prompt-major."""
+    head, created = streams[0], int(time.time())
+    n = head.handle.choices
+    want_logprobs = head.handle.request.sampling.logprobs or head.handle.request.prompt.logprobs is not None
+    try:
+        for k, stream in enumerate(streams):
+            offsets = [0] * n  # each choice's text so far, for text_offset
+            delta = first if k == 0 else None
+            while True:
+                if delta is None:
+                    try:
+                        delta = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except MMServeError as err:
+                        yield openai_json.sse(err.to_body())
+                        yield openai_json.DONE
+                        return
+                lp = openai_json.legacy_logprobs(delta.logprobs, offsets[delta.index]) if want_logprobs else None
+                if delta.text or delta.logprobs or delta.finish_reason is not None:
+                    yield openai_json.sse(openai_json.text_chunk(head.id, head.model, created, k * n + delta.index,
+                                                                 delta.text, delta.finish_reason, lp))
+                offsets[delta.index] += len(delta.text)
+                if stream.done:
+                    break
+                delta = None
+        if include_usage:
+            us = [s.usage for s in streams]
+            u = Usage(sum(x.prompt_tokens for x in us), sum(x.completion_tokens for x in us),
+                      sum(x.cached_tokens for x in us))
+            yield openai_json.sse(openai_json.text_usage_chunk(head.id, head.model, created, u))
+        yield openai_json.DONE
+    finally:
+        for s in streams:
+            s.close()

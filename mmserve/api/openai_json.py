@@ -79,3 +79,45 @@ def usage_chunk(id: str, model: str, created: int, u: Usage) -> dict:
 
 def sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
+
+
+# -- legacy completions (/v1/completions) ---------------------------------------------------
+
+
+def legacy_logprobs(tokens: tuple[TokenLogprob, ...] | None, offset: int = 0) -> dict | None:
+    """The legacy `logprobs` object: `tokens`, `token_logprobs`, `top_logprobs` (token → logprob,
+    the chosen token among them; null for a token without a logprob, the first prompt token's)
+    and `text_offset` (each token's character offset in the choice's text, from `offset`)."""
+    if tokens is None:
+        return None
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        out["tokens"].append(t.token)
+        out["token_logprobs"].append(t.logprob)
+        top = None
+        if t.logprob is not None:
+            top = {a.token: a.logprob for a in t.top}
+            top.setdefault(t.token, t.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(t.token)
+    return out
+
+
+def text_completion(id: str, model: str, created: int, choices: list[tuple[int, Choice]], u: Usage) -> dict:
+    """A whole legacy completion: `choices` are (index, choice), indexed prompt-major."""
+    return {"id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": i, "text": ch.text, "logprobs": legacy_logprobs(ch.logprobs),
+                         "finish_reason": ch.finish_reason} for i, ch in choices],
+            "usage": usage(u)}
+
+
+def text_chunk(id: str, model: str, created: int, index: int, text: str, finish_reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
+    return {"id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def text_usage_chunk(id: str, model: str, created: int, u: Usage) -> dict:
+    return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [],
+            "usage": usage(u)}

@@ -49,6 +49,18 @@ class Message:
 
 
 @dataclass(frozen=True)
+class RawPrompt:
+    """A legacy-completions prompt: text (tokenized as is, the tokenizer's special tokens added
+    when `add_special_tokens`) or token ids (taken as they are)."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    add_special_tokens: bool = True
+    echo: bool = False  # each choice's text starts with the prompt's
+    logprobs: int | None = None  # the prompt tokens' logprobs, with this many alternatives each
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     model: str
     messages: tuple[Message, ...]
@@ -59,6 +71,8 @@ class ChatRequest:
     template: TemplateOptions = TemplateOptions()  # vLLM's chat-template parameters
     echo: str = ""  # vLLM's `echo`: the answer's text starts with this (the last message's content)
     tools: Tools | None = None  # tools, tool_choice, parallel_tool_calls (mmserve.inputs.tools)
+    # /v1/completions: a raw prompt, tokenized without the chat template (`messages` is empty)
+    prompt: RawPrompt | None = None
 
     @property
     def num_images(self) -> int:
@@ -348,13 +362,8 @@ def _refuse_unknown(body: dict) -> None:
     raise BadRequest(f"unrecognized request argument(s): {shown}{more}", param=_path_text((None, unknown[0])))
 
 
-def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> ChatRequest:
-    """Validates an OpenAI chat-completions body and returns the typed request."""
-    check_json_shape(body, limits.max_json_depth)
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    _refuse_unknown(body)
-    _refuse_unsupported(body)
+def parse_common(body: dict, default_model: str) -> tuple[str, bool, bool, str | None]:
+    """`(model, stream, include_usage, cache_salt)`: what chat and legacy completions share."""
     model = body.get("model", default_model)
     if model is None:
         model = default_model
@@ -373,6 +382,17 @@ def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> C
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise BadRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    return model, stream, bool(opts.get("include_usage", False)), salt
+
+
+def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> ChatRequest:
+    """Validates an OpenAI chat-completions body and returns the typed request."""
+    check_json_shape(body, limits.max_json_depth)
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _refuse_unknown(body)
+    _refuse_unsupported(body)
+    model, stream, include_usage, salt = parse_common(body, default_model)
     template = template_options(body)
     messages = parse_messages(body.get("messages"), limits, assistant_last=not template.opens_answer)
     return ChatRequest(
@@ -380,7 +400,7 @@ def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> C
         messages=messages,
         sampling=parse_sampling(body, limits),
         stream=stream,
-        include_usage=bool(opts.get("include_usage", False)),
+        include_usage=include_usage,
         cache_salt=salt,
         tools=parse_tools(body),
         template=template,

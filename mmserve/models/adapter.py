@@ -171,6 +171,10 @@ class Adapter(ABC):
         the images' spans; pixels are left for the encoder to make on a cache miss. `tools` and
         `template` as `render_prompt` takes them."""
 
+    def tokenize_raw(self, input_ids: Sequence[int]) -> PromptInputs:
+        """A text-only prompt given as token ids (`/v1/completions`: no chat template, no image)."""
+        return PromptInputs(tuple(int(t) for t in input_ids), None, ())
+
     @abstractmethod
     def pixel_values(self, images: Sequence) -> list:
         """One pixel item per image, as `encode_images` takes them (worker thread)."""

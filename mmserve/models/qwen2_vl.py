@@ -89,6 +89,12 @@ class Qwen2VLAdapter(Adapter):
         positions, delta = self._rope_index(input_ids, spans, grids)
         return PromptInputs(input_ids, None, spans, images=tuple(images), rope_positions=positions, rope_delta=delta)
 
+    def tokenize_raw(self, input_ids: Sequence[int]) -> PromptInputs:
+        """A text-only prompt's tokens and its (1-D, repeated) M-RoPE positions."""
+        input_ids = tuple(int(t) for t in input_ids)
+        positions, delta = self._rope_index(input_ids, (), [])
+        return PromptInputs(input_ids, None, (), rope_positions=positions, rope_delta=delta)
+
     def _rope_index(self, input_ids, spans, grids) -> tuple[torch.Tensor, int]:
         ids = torch.tensor([input_ids], dtype=torch.long)
         types = torch.zeros_like(ids, dtype=torch.int)

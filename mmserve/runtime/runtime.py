@@ -27,6 +27,7 @@ from mmserve.actors.messages import ClearCache, RequestHandle, Route, Submit
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
+from mmserve.inputs.completions import parse_completion_requests
 from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
@@ -228,6 +229,21 @@ class Runtime:
         """Validates an OpenAI-shaped request body (raises a typed 4xx error); its tools are bound
         to the model (its `tool_parser`; the grammar of a forced call)."""
         return self._bind_tools(parse_chat_request(body, self.config.limits, self.config.default_model))
+
+    def parse_completions(self, body: dict) -> tuple[ChatRequest, ...]:
+        """Validates a legacy completions body (`/v1/completions`): one request per prompt, each
+        started with `chat(request=...)` and served on the chat path, its prompt untemplated."""
+        return parse_completion_requests(body, self.config.limits, self.config.default_model)
+
+    async def text_completion(self, prompt: str | list, **params: Any) -> ChatCompletion:
+        """One legacy completion of a single raw `prompt` (text or token ids), run to its end;
+        the keywords are those of `/v1/completions` (`max_tokens` defaults to 16)."""
+        requests = self.parse_completions(dict(params, prompt=prompt))
+        if len(requests) != 1:
+            raise BadRequest("text_completion takes one prompt; start each of a batch with chat(request=...)",
+                             param="prompt")
+        request = requests[0]
+        return await complete(self.chat(request=request))
 
     def _bind_tools(self, request: ChatRequest) -> ChatRequest:
         model = self.config.model(request.model)  # an unknown model is refused by chat(): 404

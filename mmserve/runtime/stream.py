@@ -92,7 +92,8 @@ class ChatStream:
 
     @property
     def id(self) -> str:
-        return "chatcmpl-" + self.handle.request_id
+        kind = "chatcmpl-" if self.handle.request.prompt is None else "cmpl-"  # a /v1/completions prompt
+        return kind + self.handle.request_id
 
     @property
     def model(self) -> str:

@@ -1,0 +1,177 @@
+"""`POST /v1/completions` (OpenAI's legacy API, as vLLM serves it) over a real server with the
+official `openai` client: the raw prompt takes the chat path untemplated, so a prompt that is the
+chat template's rendering of a conversation gets the chat path's answer; echo, logprobs, batches,
+streams, the prompt's own logprobs against HF's forward, and OpenAI-shaped 400s naming `param`."""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion
+from transformers import AutoProcessor
+
+from tests.conftest import _demo_dir
+
+QUESTION = [{"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]},
+            {"role": "user", "content": [{"type": "text", "text": "What colour is the square?"}]}]
+
+
+@pytest.fixture(scope="module")
+def client(demo_server):
+    return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    """The chat template's rendering of QUESTION, ending with the generation prompt."""
+    processor = AutoProcessor.from_pretrained(_demo_dir("demo"))
+    return processor.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoProcessor.from_pretrained(_demo_dir("demo")).tokenizer
+
+
+def salt(name):
+    return {"cache_salt": f"{name}-{time.time_ns()}"}
+
+
+def post(server, body, path="/v1/completions"):
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def test_raw_prompt_equals_the_chat_path(client, rendered):
+    chat = client.chat.completions.create(model="demo", messages=QUESTION, temperature=0, max_tokens=8,
+                                          logprobs=True, top_logprobs=3)
+    done = client.completions.create(model="demo", prompt=rendered, temperature=0, max_tokens=8, logprobs=3)
+    assert done.id.startswith("cmpl-") and done.object == "text_completion"
+    choice = done.choices[0]
+    # the chat path strips the template's lead (" ") from its answer; the raw path keeps it
+    assert choice.text.strip() == chat.choices[0].message.content.strip() and choice.text.strip()
+    assert choice.finish_reason == chat.choices[0].finish_reason
+    assert done.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert done.usage.completion_tokens == chat.usage.completion_tokens
+    # the same tokens with the same logprobs (the distribution they were drawn from)
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text
+    want = [t.logprob for t in chat.choices[0].logprobs.content]
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == chosen and len(top) <= 4  # 3 alternatives and the chosen token
+        assert max(top.values()) == pytest.approx(chosen)  # greedy: the chosen is the most likely
+
+
+def test_token_ids_and_a_list_of_one_equal_the_text(client, rendered, tokenizer):
+    ids = tokenizer(rendered)["input_ids"]
+    by_text = client.completions.create(model="demo", prompt=rendered, temperature=0, max_tokens=6)
+    for prompt in (ids, [ids], [rendered]):
+        got = client.completions.create(model="demo", prompt=prompt, temperature=0, max_tokens=6)
+        assert got.choices[0].text == by_text.choices[0].text
+        assert got.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+        assert len(got.choices) == 1
+
+
+def test_default_max_tokens_is_16_and_stop(client):
+    got = client.completions.create(model="demo", prompt="red green blue", temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 16 and got.choices[0].finish_reason == "length"
+    cut = got.choices[0].text.split()[1]
+    stopped = client.completions.create(model="demo", prompt="red green blue", temperature=0, stop=[" " + cut],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert got.choices[0].text.startswith(stopped.choices[0].text) and cut not in stopped.choices[0].text.split()[1:]
+
+
+def test_echo_prepends_the_prompt(client, rendered, tokenizer):
+    plain = client.completions.create(model="demo", prompt=rendered, temperature=0, max_tokens=4)
+    echoed = client.completions.create(model="demo", prompt=rendered, temperature=0, max_tokens=4, echo=True)
+    assert echoed.choices[0].text == rendered + plain.choices[0].text
+    ids = tokenizer(rendered)["input_ids"]
+    by_ids = client.completions.create(model="demo", prompt=ids, temperature=0, max_tokens=4, echo=True)
+    assert by_ids.choices[0].text == tokenizer.decode(ids) + plain.choices[0].text
+
+
+def test_batch_and_n_are_indexed_prompt_major(client):
+    prompts = ["red green", "blue square"]
+    single = [client.completions.create(model="demo", prompt=p, temperature=0, max_tokens=5).choices[0].text
+              for p in prompts]
+    got = client.completions.create(model="demo", prompt=prompts, temperature=0, max_tokens=5, n=2)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [single[0], single[0], single[1], single[1]]
+    seeded = client.completions.create(model="demo", prompt="red", temperature=1.0, max_tokens=6, n=3, seed=7)
+    again = client.completions.create(model="demo", prompt="red", temperature=1.0, max_tokens=6, n=3, seed=7)
+    assert [c.text for c in seeded.choices] == [c.text for c in again.choices]
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"echo": True}])
+def test_stream_equals_non_stream(client, rendered, extra):
+    full = client.completions.create(model="demo", prompt=[rendered, "blue"], temperature=0, max_tokens=8, **extra)
+    chunks = list(client.completions.create(model="demo", prompt=[rendered, "blue"], temperature=0, max_tokens=8,
+                                            stream=True, stream_options={"include_usage": True}, **extra))
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == full.choices[index].text
+        assert [c.finish_reason for c in mine if c.finish_reason] == [full.choices[index].finish_reason]
+        if "logprobs" in extra:
+            tokens = [t for c in mine if c.logprobs for t in c.logprobs.tokens]
+            offsets = [o for c in mine if c.logprobs for o in c.logprobs.text_offset]
+            assert tokens == full.choices[index].logprobs.tokens
+            assert offsets == full.choices[index].logprobs.text_offset
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_responses_conform_to_openais_types(demo_server, rendered):
+    body = {"model": "demo", "prompt": rendered, "max_tokens": 4, "temperature": 0, "logprobs": 1, "user": "u1"}
+    r = post(demo_server, body)
+    assert r.status_code == 200, r.text
+    done = Completion.model_validate(r.json())
+    assert done.choices[0].logprobs.tokens and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    with httpx.stream("POST", demo_server.url + "/v1/completions", json=dict(body, stream=True), timeout=120) as s:
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        chunk = json.loads(ln[len("data: "):])
+        # a chunk before a choice's last has finish_reason null, as OpenAI and vLLM stream it; the
+        # type (which the client does not validate chunks against) allows only the final values
+        assert all(c["finish_reason"] in (None, "stop", "length") for c in chunk["choices"])
+        for c in chunk["choices"]:
+            c["finish_reason"] = c["finish_reason"] or "stop"
+        Completion.model_validate(chunk)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], "x"]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [10 ** 6]}, "prompt"),  # past the vocabulary: refused at intake
+    ({"prompt": "<image> what"}, "prompt"),  # the image placeholder: text-only
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "messages": []}, "messages"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+])
+def test_bad_inputs_are_400_naming_param(demo_server, body, param):
+    r = post(demo_server, {"model": "demo", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_bad_input_through_the_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="x", logprobs=99)
+    assert e.value.body["param"] == "logprobs"
