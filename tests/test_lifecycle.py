@@ -44,9 +44,11 @@ async def test_drain_finishes_short_requests_and_cuts_the_rest(tiny_config):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, "short", dict(temperature=0, max_tokens=3))
-            nursery.start_soon(run, "long", LONG)
+            # long enough that no machine finishes it within the grace (400 tokens of the tiny model
+            # took < 0.5 s on a quiet machine), short enough to stay cheap once it is cut
+            nursery.start_soon(run, "long", dict(temperature=0, max_tokens=3000, min_tokens=3000))
             await trio.testing.wait_all_tasks_blocked()  # both admitted
-            nursery.start_soon(rt.drain, 0.5)
+            nursery.start_soon(rt.drain, 1.0)
             await wait_until(lambda: rt.supervisor.draining, what="the drain began")
             health = rt.health()
             assert not health.ok and "draining" in health.reason
