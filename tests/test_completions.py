@@ -9,9 +9,12 @@ import time
 import httpx
 import openai
 import pytest
+import torch
+import trio
 from openai.types import Completion
-from transformers import AutoProcessor
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from mmserve import Runtime
 from tests.conftest import _demo_dir
 
 QUESTION = [{"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]},
@@ -107,7 +110,7 @@ def test_batch_and_n_are_indexed_prompt_major(client):
     assert [c.text for c in seeded.choices] == [c.text for c in again.choices]
 
 
-@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"echo": True}])
+@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"echo": True}, {"echo": True, "logprobs": 2}])
 def test_stream_equals_non_stream(client, rendered, extra):
     full = client.completions.create(model="demo", prompt=[rendered, "blue"], temperature=0, max_tokens=8, **extra)
     chunks = list(client.completions.create(model="demo", prompt=[rendered, "blue"], temperature=0, max_tokens=8,
@@ -155,6 +158,9 @@ def test_responses_conform_to_openais_types(demo_server, rendered):
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0, "echo": True, "n": 2}, "n"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "add_special_tokens": 1}, "add_special_tokens"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
@@ -175,3 +181,99 @@ def test_a_bad_input_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="demo", prompt="x", logprobs=99)
     assert e.value.body["param"] == "logprobs"
+
+
+# -- the prompt's own logprobs (lm-eval's log-likelihood: echo, logprobs, max_tokens 0) -----------
+
+LONG = ("red green blue square circle triangle " * 9).strip()  # ~55 tokens: several blocks
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tokenizer):
+    """log-softmax of HF's own forward (fp32) over a prompt's tokens: row j scores token j+1."""
+    model = AutoModelForImageTextToText.from_pretrained(_demo_dir("demo"), dtype=torch.float32).eval()
+
+    def score(ids):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+    return score
+
+
+def check_against_hf(ids, token_logprobs, lp, top=None):
+    assert token_logprobs[0] is None and len(token_logprobs) == len(ids)
+    want = [lp[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    assert token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    if top is not None:  # the most likely alternative of each position, and its logprob
+        for j in range(1, len(ids)):
+            best = max(top[j].values())
+            assert best == pytest.approx(lp[j - 1].max().item(), abs=1e-4)
+
+
+def test_echo_logprobs_max_tokens_0_are_hf_forward(client, tokenizer, hf_logprobs):
+    """What lm-eval sends for a log-likelihood: every prompt token scored, nothing generated — and
+    the prompt was cached just before, so a request that used the prefix cache would have no logits."""
+    ids = tokenizer(LONG)["input_ids"]
+    assert len(ids) > 40
+    client.completions.create(model="demo", prompt=LONG, max_tokens=2)  # caches its blocks
+    got = client.completions.create(model="demo", prompt=LONG, max_tokens=0, echo=True, logprobs=1)
+    choice = got.choices[0]
+    assert choice.text == LONG and choice.finish_reason == "length"
+    assert got.usage.completion_tokens == 0 and got.usage.prompt_tokens == len(ids)
+    assert got.usage.prompt_tokens_details.cached_tokens == 0
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == LONG
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.top_logprobs[0] is None
+    check_against_hf(ids, lp.token_logprobs, hf_logprobs(ids), lp.top_logprobs)
+    for token, chosen, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == chosen and 1 <= len(top) <= 2
+
+
+def test_echo_logprobs_with_an_answer(client, tokenizer, hf_logprobs):
+    """lm-eval's other shape (max_tokens 1): the prompt's entries, then the answer's."""
+    ids = tokenizer("red green blue")["input_ids"]
+    got = client.completions.create(model="demo", prompt=ids, max_tokens=3, echo=True, logprobs=2, temperature=0)
+    lp, choice = got.choices[0].logprobs, got.choices[0]
+    assert len(lp.tokens) == len(ids) + got.usage.completion_tokens
+    assert "".join(lp.tokens) == choice.text and choice.text.startswith(tokenizer.decode(ids))
+    check_against_hf(ids, lp.token_logprobs[:len(ids)], hf_logprobs(ids))
+    plain = client.completions.create(model="demo", prompt=ids, max_tokens=3, logprobs=2, temperature=0)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+
+
+def test_vllm_prompt_logprobs(demo_server, tokenizer, hf_logprobs):
+    ids = tokenizer(LONG)["input_ids"]
+    r = post(demo_server, {"model": "demo", "prompt": LONG, "max_tokens": 1, "prompt_logprobs": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    scores = r.json()["choices"][0]["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(ids)
+    lp = hf_logprobs(ids)
+    chosen = [None] + [entry[str(ids[j])]["logprob"] for j, entry in enumerate(scores[1:], 1)]
+    check_against_hf(ids, chosen, lp)
+    for j, entry in enumerate(scores[1:], 1):
+        assert 3 <= len(entry) <= 4
+        mine = entry[str(ids[j])]
+        assert mine["rank"] == int((lp[j - 1] > lp[j - 1, ids[j]]).sum()) + 1
+        assert mine["decoded_token"] == tokenizer.decode([ids[j]])
+        ranks = sorted(e["rank"] for t, e in entry.items() if t != str(ids[j]) or e["rank"] <= 3)
+        assert ranks[:3] == [1, 2, 3]
+
+
+async def test_prompt_logprobs_over_several_prefill_chunks(demo_config, tokenizer, hf_logprobs):
+    """A prompt longer than a step's token budget is scored over several prefill chunks, beside
+    other requests' steps; the scores are the same as one forward's."""
+    config = demo_config.replace(generator={"max_batched_tokens": 12})
+    ids = tokenizer(LONG)["input_ids"]
+    async with Runtime.open(config) as rt:
+        async with trio.open_nursery() as nursery:
+            others = []
+
+            async def other(p):
+                others.append(await rt.text_completion(p, max_tokens=8, temperature=0))
+            for p in ("blue square", "red circle triangle"):
+                nursery.start_soon(other, p)
+            done = await rt.text_completion(ids, max_tokens=0, echo=True, logprobs=0)
+    scores = done.choices[0].prompt_logprobs
+    check_against_hf(ids, [s.logprob for s in scores], hf_logprobs(ids))
+    assert len(others) == 2

@@ -27,13 +27,14 @@ from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import FinishEvent, GenerateJob, TokenEvent, KVEpoch, PrefixFailed, Release, copy_pin
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
+from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.errors import BadRequest, MMServeError, ServiceUnavailable
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
-from mmserve.generation.step_sampling import Sampled, sample_rows
+from mmserve.generation.step_sampling import Sampled, sample_rows_and
 from mmserve.generation.scheduler import Planned, plan_step
 from mmserve.models.adapter import Adapter
 from mmserve.models.paged import KVArena, Segment
@@ -140,7 +141,7 @@ class Generator(BlockGrants, Answers, Actor):
             return
         try:
             matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in range(params.n)]
-            if params.logprobs:
+            if params.logprobs or scores_prompt(job.handle.request):
                 self._pieces = self._pieces or TokenPieces(self.grammars.token_bytes)
         except Exception as e:
             self._fail(seq, e, "admission (grammar)")
@@ -254,7 +255,7 @@ class Generator(BlockGrants, Answers, Actor):
                 if c.child.state in LIVE and c.target in c.child.table:
                     self.kv.copy_block(c.source, c.target)
         results: list = [None] * len(plan)
-        rows, ids, images, segments, positions = [], [], [], [], []
+        rows, ids, images, segments, positions, scoring = [], [], [], [], [], []
         for i, p in enumerate(plan):
             if p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch:
                 # its table belongs to a dead life of the cache manager, which may have given those
@@ -273,6 +274,8 @@ class Generator(BlockGrants, Answers, Actor):
                 results[i] = e
                 continue
             images += [(len(ids) + at, emb) for at, emb in pieces]
+            if not p.decode and scores_prompt(p.seq.handle.request):  # its prompt's own logprobs
+                scoring.append((p.seq, len(ids), start, end))
             ids += p.seq.ids[start:end]
             segments.append(Segment(tuple(p.seq.table), start, p.tokens))
             positions.append(rope)
@@ -286,13 +289,18 @@ class Generator(BlockGrants, Answers, Actor):
         constrained = [plan[i].seq for _, i in wanted if plan[i].seq.matcher is not None]
         masks = MaskJob(self.grammars, [s.matcher for s in constrained]) if constrained else None
         # every new token's embedding in one lookup (one host->device copy of the ids)
+        scored = PromptRows.of(scoring) if scoring else None
         logits = self.adapter.forward_paged(self.adapter.embed(ids, images), segments, self.kv,
-                                            torch.cat(positions, dim=1) if self.adapter.mrope else None)
+                                            torch.cat(positions, dim=1) if self.adapter.mrope else None,
+                                            extra_rows=scored.rows if scored else None)
         allowed = masks.allowed(logits.device) if masks is not None else None
         grammar_rows = {id(s): g for g, s in enumerate(constrained)}
-        for (r, i), token in zip(wanted, self._sample(logits, [(r, plan[i].seq) for r, i in wanted],
-                                                      allowed, grammar_rows)):
+        tokens, host = self._sample(logits, [(r, plan[i].seq) for r, i in wanted], allowed, grammar_rows,
+                                    scored.packed(logits[len(segments):]) if scored else None)
+        for (r, i), token in zip(wanted, tokens):
             results[i] = token
+        if scored:
+            scored.store(host, self.adapter.vocab_size)
         for i in rows:
             if results[i] is None:
                 results[i] = -1  # computed, no token due (a prefill chunk before the prompt's end)
@@ -325,10 +333,10 @@ class Generator(BlockGrants, Answers, Actor):
         return pieces
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[int, Sequence]], allowed: torch.Tensor | None,
-                grammar_rows: dict[int, int]) -> list:
+                grammar_rows: dict[int, int], extra: torch.Tensor | None = None) -> tuple[list, list[float]]:
         """The next token of each (row, sequence) — a list of every choice's first token for a
-        request whose prefill ended — from one batched sample, one host transfer; a sequence
-        whose own sampling fails fails alone."""
+        request whose prefill ended — from one batched sample, one host transfer (which also
+        fetches `extra`'s values: the second item); a sequence whose own sampling fails fails alone."""
         out: list = [None] * len(rows)
         ok = []
         for k, (_, seq) in enumerate(rows):
@@ -337,15 +345,15 @@ class Generator(BlockGrants, Answers, Actor):
                 ok.append(k)
             except Exception as e:
                 out[k] = e
-        if ok:
-            specs, owners = row_specs([rows[k] for k in ok], self._banned, grammar_rows)
-            got: dict[int, list] = {}
-            for (j, _), sampled in zip(owners, sample_rows(logits, specs, allowed)):
-                got.setdefault(j, []).append(sampled)
-            for j, k in enumerate(ok):
-                failed = [x for x in got[j] if isinstance(x, Exception)]
-                out[k] = failed[0] if failed else got[j][0] if len(got[j]) == 1 else got[j]
-        return out
+        specs, owners = row_specs([rows[k] for k in ok], self._banned, grammar_rows)
+        sampled_rows, host = sample_rows_and(logits, specs, allowed, extra)
+        got: dict[int, list] = {}
+        for (j, _), sampled in zip(owners, sampled_rows):
+            got.setdefault(j, []).append(sampled)
+        for j, k in enumerate(ok):
+            failed = [x for x in got[j] if isinstance(x, Exception)]
+            out[k] = failed[0] if failed else got[j][0] if len(got[j]) == 1 else got[j]
+        return out, host
 
     def _banned(self, seq: Sequence) -> torch.Tensor:
         return banned_ids(seq, self._image_token, self._eos, self.adapter.vocab_size)
@@ -383,14 +391,17 @@ class Generator(BlockGrants, Answers, Actor):
 
     def _echo(self, seq: Sequence) -> None:
         """With `echo`, every choice's text starts with the prompt's (its text as sent, or its ids
-        decoded), once per request: a sequence prefilled again after a preemption sends nothing."""
+        decoded), and with the prompt's logprobs asked for, every choice gets them: once per
+        request (a sequence prefilled again after a preemption sends nothing)."""
         raw = seq.handle.request.prompt
-        if not raw.echo or seq.echoed or seq.choice:
+        if not (raw.echo or raw.logprobs is not None) or seq.echoed or seq.choice:
             return
         seq.echoed = True
-        text = raw.text if raw.text is not None else self.adapter.decode_special(seq.job.prompt.input_ids)
+        text = "" if not raw.echo else raw.text if raw.text is not None else \
+            self.adapter.decode_special(seq.job.prompt.input_ids)
+        scores = prompt_logprobs(seq, self._pieces) if raw.logprobs is not None else ()
         for c in range(seq.handle.choices):
-            seq.handle.emit(TokenEvent(text, -1, c))
+            seq.handle.emit(TokenEvent(text, -1, c, prompt=scores))
 
     def _release_forked(self, forked) -> None:
         """What the manager gave a request's choices goes back (they will not run)."""

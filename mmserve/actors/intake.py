@@ -19,6 +19,7 @@ from mmserve.actors.messages import (
     EncodeJob, Lookup, PrefixFailed, PrefixState, Release, RequestHandle, Route, Submit)
 from mmserve.cache.block_hash import prompt_block_hashes
 from mmserve.actors.faults import fault
+from mmserve.actors.prompt_scores import scores_prompt
 from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip, is_rejection, log_rejection
 
 from mmserve.inputs.image_budget import check_image_size
@@ -291,9 +292,10 @@ class Intake(Actor):
                        prompt_len: int) -> PrefixState | None:
         """The prompt's cached prefix, pinned for the request — asked before any image is encoded,
         so an image the hit covers is never encoded. Capped so one prompt token is prefilled.
-        None when the lookup failed (the request is failed here)."""
+        None when the lookup failed (the request is failed here). A request scoring its prompt
+        looks up nothing: a cached block has no logits (`actors.prompt_scores`)."""
         wanted = hashes[: (prompt_len - 1) // self.block_size] if self.block_size else ()
-        if prefix_cache is None or not wanted:
+        if prefix_cache is None or not wanted or scores_prompt(handle.request):
             return PrefixState(hashes)
         reply, answers = trio.open_memory_channel(1)
         prefix_cache.send_nowait(Lookup(handle.request_id, wanted, reply, handle.client_request_id))

@@ -42,11 +42,24 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (None for the first token),
+    its rank in that distribution, and the most likely alternatives `(token_id, text, logprob)`."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None = None
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     text: str
     token_id: int
     index: int = 0  # the choice it belongs to (n > 1)
     logprobs: tuple[TokenLogprob, ...] = ()  # when the request asked for them: this event's tokens
+    prompt: tuple[PromptLogprob, ...] = ()  # /v1/completions: the prompt's own logprobs, once
 
 
 @dataclass(frozen=True)

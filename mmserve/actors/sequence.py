@@ -54,7 +54,8 @@ class Sequence:
     # running (`generation.scheduler`): a step planned it; kept until it ends, through preemptions.
     # A forked choice is born admitted: it exists once its parent's prefill ran, and counts as its request.
     admitted: bool = False
-    echoed: bool = False  # /v1/completions' echo: the prompt's text was sent to the caller
+    echoed: bool = False  # /v1/completions' echo (and the prompt's logprobs) was sent to the caller
+    prompt_scores: dict = field(default_factory=dict)  # position -> (logprob, rank, top): `prompt_scores`
 
     def __post_init__(self) -> None:
         self.admitted = self.admitted or self.choice > 0

@@ -175,7 +175,8 @@ def create_app(rt: Runtime) -> QuartTrio:
                 u = Usage(sum(d.usage.prompt_tokens for d in done), sum(d.usage.completion_tokens for d in done),
                           sum(d.usage.cached_tokens for d in done))
                 choices = [(k * n + ch.index, ch) for k, d in enumerate(done) for ch in d.choices]
-                return openai_json.text_completion(streams[0].id, streams[0].model, done[0].created, choices, u)
+                return openai_json.text_completion(streams[0].id, streams[0].model, done[0].created, parsed[0],
+                                                   choices, u)
             first = await streams[0].__anext__()
         except BaseException:
             for s in streams:
@@ -317,8 +318,7 @@ async def _text_sse(streams: list[ChatStream], first: Delta, include_usage: bool
     """A legacy completion's stream: each prompt's chunks in turn (all of them run at once; later
     prompts' deltas wait in their channels), choices indexed prompt-major."""
     head, created = streams[0], int(time.time())
-    n = head.handle.choices
-    want_logprobs = head.handle.request.sampling.logprobs or head.handle.request.prompt.logprobs is not None
+    n, request = head.handle.choices, head.handle.request
     try:
         for k, stream in enumerate(streams):
             offsets = [0] * n  # each choice's text so far, for text_offset
@@ -333,10 +333,11 @@ async def _text_sse(streams: list[ChatStream], first: Delta, include_usage: bool
                         yield openai_json.sse(err.to_body())
                         yield openai_json.DONE
                         return
-                lp = openai_json.legacy_logprobs(delta.logprobs, offsets[delta.index]) if want_logprobs else None
-                if delta.text or delta.logprobs or delta.finish_reason is not None:
-                    yield openai_json.sse(openai_json.text_chunk(head.id, head.model, created, k * n + delta.index,
-                                                                 delta.text, delta.finish_reason, lp))
+                lp = openai_json.choice_logprobs(request, delta.logprobs, delta.prompt_logprobs, offsets[delta.index])
+                if delta.text or delta.logprobs or delta.prompt_logprobs or delta.finish_reason is not None:
+                    choice = openai_json.text_choice(request, k * n + delta.index, delta.text, delta.finish_reason,
+                                                     lp, delta.prompt_logprobs)
+                    yield openai_json.sse(openai_json.text_chunk(head.id, head.model, created, choice))
                 offsets[delta.index] += len(delta.text)
                 if stream.done:
                     break

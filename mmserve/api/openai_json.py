@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 from mmserve.generation.tool_calls import ToolCallDelta
+from mmserve.actors.messages import PromptLogprob
+from mmserve.inputs.request import ChatRequest
 from mmserve.runtime.stream import ChatCompletion, Choice, TokenLogprob, Usage
 
 DONE = "data: [DONE]\n\n"
@@ -84,38 +86,72 @@ def sse(body: dict) -> str:
 # -- legacy completions (/v1/completions) ---------------------------------------------------
 
 
-def legacy_logprobs(tokens: tuple[TokenLogprob, ...] | None, offset: int = 0) -> dict | None:
+def legacy_logprobs(tokens: tuple[TokenLogprob, ...], offset: int = 0, prompt: tuple[PromptLogprob, ...] = (),
+                    top_n: int = 0) -> dict:
     """The legacy `logprobs` object: `tokens`, `token_logprobs`, `top_logprobs` (token → logprob,
     the chosen token among them; null for a token without a logprob, the first prompt token's)
-    and `text_offset` (each token's character offset in the choice's text, from `offset`)."""
-    if tokens is None:
-        return None
+    and `text_offset` (each token's character offset in the choice's text, from `offset`). With
+    echo the prompt's entries come first (`prompt`, `top_n` alternatives each)."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t in tokens:
-        out["tokens"].append(t.token)
-        out["token_logprobs"].append(t.logprob)
+    entries = [(p.token, p.logprob, [(text, lp) for _, text, lp in p.top[:top_n]]) for p in prompt]
+    entries += [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top]) for t in tokens]
+    for token, logprob, alternatives in entries:
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
         top = None
-        if t.logprob is not None:
-            top = {a.token: a.logprob for a in t.top}
-            top.setdefault(t.token, t.logprob)
+        if logprob is not None:
+            top = dict(alternatives)
+            top.setdefault(token, logprob)
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
-        offset += len(t.token)
+        offset += len(token)
     return out
 
 
-def text_completion(id: str, model: str, created: int, choices: list[tuple[int, Choice]], u: Usage) -> dict:
+def vllm_prompt_logprobs(prompt: tuple[PromptLogprob, ...], top_n: int) -> list:
+    """vLLM's `prompt_logprobs` of a choice: null for the first token, then {token id: {logprob,
+    rank, decoded_token}} of the token and its `top_n` most likely alternatives."""
+    out: list = []
+    for p in prompt:
+        if p.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": lp, "rank": r, "decoded_token": text}
+                 for r, (t, text, lp) in enumerate(p.top[:top_n], 1)}
+        entry.setdefault(str(p.token_id), {"logprob": p.logprob, "rank": p.rank, "decoded_token": p.token})
+        out.append(entry)
+    return out
+
+
+def choice_logprobs(request: ChatRequest, logprobs: tuple[TokenLogprob, ...] | None,
+                    prompt: tuple[PromptLogprob, ...] | None, offset: int = 0) -> dict | None:
+    """A completion choice's (or chunk's) legacy `logprobs`: None unless asked for."""
+    if not request.sampling.logprobs:
+        return None
+    echoed = (prompt or ()) if request.prompt.echo else ()
+    return legacy_logprobs(logprobs or (), offset, echoed, request.sampling.top_logprobs)
+
+
+def text_completion(id: str, model: str, created: int, request: ChatRequest, choices: list[tuple[int, Choice]],
+                    u: Usage) -> dict:
     """A whole legacy completion: `choices` are (index, choice), indexed prompt-major."""
     return {"id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": ch.text, "logprobs": legacy_logprobs(ch.logprobs),
-                         "finish_reason": ch.finish_reason} for i, ch in choices],
+            "choices": [text_choice(request, i, ch.text, ch.finish_reason,
+                                    choice_logprobs(request, ch.logprobs, ch.prompt_logprobs), ch.prompt_logprobs)
+                        for i, ch in choices],
             "usage": usage(u)}
 
 
-def text_chunk(id: str, model: str, created: int, index: int, text: str, finish_reason: str | None = None,
-               logprobs: dict | None = None) -> dict:
-    return {"id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def text_choice(request: ChatRequest, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                prompt: tuple[PromptLogprob, ...] | None = None) -> dict:
+    body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if request.prompt.prompt_logprobs is not None and prompt:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt, request.prompt.prompt_logprobs)
+    return body
+
+
+def text_chunk(id: str, model: str, created: int, choice: dict) -> dict:
+    return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
 def text_usage_chunk(id: str, model: str, created: int, u: Usage) -> dict:

@@ -47,8 +47,15 @@ def sample_rows(logits: torch.Tensor, specs: Sequence[RowSpec],
                 allowed: torch.Tensor | None = None) -> list[Sampled | Exception]:
     """One `Sampled` per spec, or a ValueError in its place when its row cannot be sampled.
     `allowed` [G, V] bool is the step's grammar mask (`RowSpec.grammar_row` indexes it)."""
+    return sample_rows_and(logits, specs, allowed)[0]
+
+
+def sample_rows_and(logits: torch.Tensor, specs: Sequence[RowSpec], allowed: torch.Tensor | None = None,
+                    extra: torch.Tensor | None = None) -> tuple[list[Sampled | Exception], list[float]]:
+    """`sample_rows`, and the host values of `extra` (a 1-D tensor on the logits' device: e.g. the
+    prompt's scores) fetched in the same, one device→host transfer."""
     if not specs:
-        return []
+        return [], [] if extra is None else extra.tolist()
     x = _processed(logits, specs, allowed)
     params = [s.params for s in specs]
     ids = sample_batch_ids(x, params, [s.generator for s in specs])
@@ -63,8 +70,11 @@ def sample_rows(logits: torch.Tensor, specs: Sequence[RowSpec],
         if k:
             top = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
             packed += [top.indices.double().reshape(-1), top.values.double().reshape(-1)]
+    if extra is not None:
+        packed.append(extra.double())
     host = torch.cat(packed).tolist()  # the one transfer
-    return _unpack(host, params, want, min(k, x.shape[1]))
+    cut = len(host) - (0 if extra is None else extra.numel())
+    return _unpack(host[:cut], params, want, min(k, x.shape[1])), host[cut:]
 
 
 def _processed(logits: torch.Tensor, specs: Sequence[RowSpec], allowed: torch.Tensor | None) -> torch.Tensor:

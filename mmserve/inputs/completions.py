@@ -117,13 +117,9 @@ def parse_completion_requests(body: Any, limits: LimitsConfig, default_model: st
         raise BadRequest(f"{len(prompts)} prompts × n={n} choices is above this server's limit of "
                          f"{MAX_BATCH_CHOICES} in one request", param="prompt")
     # the prompt's own logprobs: asked for directly (vLLM), or by echo with logprobs (OpenAI)
-    scored = prompt_logprobs if prompt_logprobs is not None else None
+    scored = prompt_logprobs
     if echo and logprobs is not None:
         scored = max(scored or 0, logprobs)
-    if scored is not None:
-        raise UnsupportedParameter("the prompt's own logprobs ('prompt_logprobs', or 'echo' with 'logprobs') "
-                                   "are not supported yet", param="prompt_logprobs" if prompt_logprobs is not None
-                                   else "logprobs")
     rest = {k: v for k, v in body.items() if k not in _OWN}
     sampling = dataclasses.replace(parse_sampling(rest, limits), max_tokens=max_tokens,
                                    logprobs=logprobs is not None, top_logprobs=logprobs or 0)
@@ -131,5 +127,5 @@ def parse_completion_requests(body: Any, limits: LimitsConfig, default_model: st
     return tuple(
         ChatRequest(model=model, messages=(), sampling=sampling, stream=stream, include_usage=include_usage,
                     cache_salt=salt, template=RAW,
-                    prompt=RawPrompt(text, ids, add_special, echo, scored))
+                    prompt=RawPrompt(text, ids, add_special, echo, scored, prompt_logprobs))
         for text, ids in prompts)

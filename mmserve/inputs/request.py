@@ -58,6 +58,7 @@ class RawPrompt:
     add_special_tokens: bool = True
     echo: bool = False  # each choice's text starts with the prompt's
     logprobs: int | None = None  # the prompt tokens' logprobs, with this many alternatives each
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: answered in the choice's own field
 
 
 @dataclass(frozen=True)

@@ -268,12 +268,13 @@ class Adapter(ABC):
 
     @torch.inference_mode()
     def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None) -> torch.Tensor:
         """One ragged step over a paged KV arena (mmserve.models.paged): `inputs_embeds`
         [1, T, H] is the concatenation of every segment's new tokens (a decode token of each
         running sequence, prefill chunks of waiting ones); their KV is written into the arena at
         their block-table slots. `positions` [3, T] gives M-RoPE positions (default: each token's
-        index). Returns float logits [len(segments), vocab] of each segment's last token.
+        index). Returns float logits [len(segments), vocab] of each segment's last token, then
+        those of the new tokens `extra_rows` indexes (in T), if any (a prompt's own logprobs).
 
         The paged attention is selected for this call only: it runs a twin of the language
         model that shares every parameter and buffer (no weights copied) but has its own config
@@ -299,7 +300,8 @@ class Adapter(ABC):
         position_ids = batch.position_ids if positions is None else positions.to(self.device).unsqueeze(1)
         out = twin(inputs_embeds=inputs_embeds.to(self.device, self.dtype), position_ids=position_ids,
                    use_cache=False, **{paged.KWARG: batch})
-        last = out.last_hidden_state[0].index_select(0, batch.last_index)
+        rows = batch.last_index if extra_rows is None else torch.cat([batch.last_index, extra_rows.to(self.device)])
+        last = out.last_hidden_state[0].index_select(0, rows)
         return self.model.lm_head(last).float()
 
     def decode_text(self, token_ids: Sequence[int]) -> str:

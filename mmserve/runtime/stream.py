@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import trio
 
-from mmserve.actors.messages import ErrorEvent, FinishEvent, RequestHandle, TokenEvent, TokenLogprob, Usage
+from mmserve.actors.messages import (ErrorEvent, FinishEvent, PromptLogprob, RequestHandle, TokenEvent, TokenLogprob,
+                                     Usage)
 from mmserve.errors import DeadlineExceeded, MMServeError
 from mmserve.generation.tool_calls import ToolCall, ToolCallDelta, tool_call_parser
 from mmserve.logs import get_logger
@@ -32,6 +33,7 @@ class Delta:
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()  # /v1/completions: the prompt's own, once
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Choice:
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None = None  # None unless asked for
     tool_calls: tuple[ToolCall, ...] = ()
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # /v1/completions, when asked for
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ class ChatStream:
             if self._parsers is not None:
                 text, calls = self._parsers[event.index].feed(event.text)
                 return Delta(text, index=event.index, logprobs=event.logprobs, tool_calls=tuple(calls))
-            return Delta(event.text, index=event.index, logprobs=event.logprobs)
+            return Delta(event.text, index=event.index, logprobs=event.logprobs, prompt_logprobs=event.prompt)
         if isinstance(event, FinishEvent):
             text, calls = "", []
             if self._parsers is not None:
@@ -206,11 +209,14 @@ async def complete(stream: ChatStream) -> ChatCompletion:
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     calls: list[dict[int, list]] = [{} for _ in range(n)]  # call index -> [id, name, argument pieces]
+    prompt: list[tuple | None] = [None] * n
     usage = None
     async with stream:
         async for delta in stream:
             parts[delta.index].append(delta.text)
             logprobs[delta.index].extend(delta.logprobs)
+            if delta.prompt_logprobs:
+                prompt[delta.index] = delta.prompt_logprobs
             for piece in delta.tool_calls:
                 call = calls[delta.index].setdefault(piece.index, [piece.id, piece.name, []])
                 call[2].append(piece.arguments)
@@ -219,6 +225,7 @@ async def complete(stream: ChatStream) -> ChatCompletion:
     if usage is None or None in reasons:
         raise MMServeError("the request ended without a result")
     choices = tuple(Choice(i, "".join(parts[i]), reasons[i], tuple(logprobs[i]) if want_logprobs else None,
-                           tuple(ToolCall(c[0], c[1], "".join(c[2])) for _, c in sorted(calls[i].items())))
+                           tuple(ToolCall(c[0], c[1], "".join(c[2])) for _, c in sorted(calls[i].items())),
+                           prompt[i])
                     for i in range(n))
     return ChatCompletion(stream.id, stream.model, int(time.time()), choices, usage)
