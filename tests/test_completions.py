@@ -61,7 +61,11 @@ def test_raw_prompt_equals_the_chat_path(client, rendered):
     lp = choice.logprobs
     assert "".join(lp.tokens) == choice.text
     want = [t.logprob for t in chat.choices[0].logprobs.content]
-    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert lp.token_logprobs[:len(want)] == pytest.approx(want, abs=1e-4)
+    # an answer ended by EOS lists it last, without text, as vLLM does (chat, as OpenAI, does not)
+    assert len(lp.tokens) == len(want) + (choice.finish_reason == "stop")
+    if choice.finish_reason == "stop":
+        assert lp.tokens[-1] == "" and lp.token_logprobs[-1] < 0
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert top[token] == chosen and len(top) <= 4  # 3 alternatives and the chosen token
@@ -277,3 +281,44 @@ async def test_prompt_logprobs_over_several_prefill_chunks(demo_config, tokenize
     scores = done.choices[0].prompt_logprobs
     check_against_hf(ids, [s.logprob for s in scores], hf_logprobs(ids))
     assert len(others) == 2
+
+
+def test_lm_evals_loglikelihood_body(demo_server, tokenizer, hf_logprobs):
+    """lm-eval's `local-completions` log-likelihood request, as its `_create_payload` builds it (a
+    batch of context+continuation token lists), read as its `parse_logprobs` reads it."""
+    pairs = [("red green blue", " square"), ("What colour is the circle?", " red circle")]
+    batch = [tokenizer(ctx)["input_ids"] + tokenizer(cont)["input_ids"] for ctx, cont in pairs]
+    ctxlens = [len(tokenizer(ctx)["input_ids"]) for ctx, _ in pairs]
+    body = {"model": "demo", "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    r = post(demo_server, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    for choice, ctxlen, ids in zip(sorted(out["choices"], key=lambda c: c["index"]), ctxlens, batch):
+        token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]  # lm-eval's own slicing
+        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        lp = hf_logprobs(ids)
+        want = [lp[j - 1, ids[j]].item() for j in range(ctxlen, len(ids))]
+        assert sum(token_logprobs) == pytest.approx(sum(want), abs=1e-4)
+        greedy = all(tok == max(top.values()) for tok, top in zip(token_logprobs, top_logprobs))
+        assert greedy == all(lp[j - 1].argmax().item() == ids[j] for j in range(ctxlen, len(ids)))
+
+
+async def test_qwen_raw_prompt_m_rope(demo_config):
+    """Qwen2-VL (M-RoPE): a raw prompt gets the text positions the model itself gives it — its
+    greedy answer is the chat path's, its prompt scores are HF's forward."""
+    from mmserve.config import ModelConfig
+
+    config = demo_config.replace(models=(ModelConfig("demo-qwen", _demo_dir("demo-qwen"), default=True),))
+    question = [{"role": "user", "content": "What colour is the square?"}]
+    async with Runtime.open(config) as rt:
+        adapter = rt.registry.loaded["demo-qwen"].adapter
+        text = adapter.render_prompt([{"role": "user", "content": [{"type": "text", "text": question[0]["content"]}]}])
+        chat = await rt.chat_completion(question, temperature=0, max_tokens=6)
+        raw = await rt.text_completion(text, temperature=0, max_tokens=6, echo=True, logprobs=0)
+        ids = list(adapter.tokenizer(text)["input_ids"])
+    assert raw.text.startswith(text) and raw.text[len(text):].strip() == chat.text.strip()
+    model = AutoModelForImageTextToText.from_pretrained(_demo_dir("demo-qwen"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    check_against_hf(ids, [p.logprob for p in raw.choices[0].prompt_logprobs], lp)

@@ -71,7 +71,7 @@ class Answers:
             return self._fail(seq, MMServeError(f"the grammar refused token {token}: {seq.matcher.get_error()}"),
                               "generator (grammar)")
         if token in self.adapter.eos_token_ids:
-            return self._finish(seq, "stop")
+            return self._finish(seq, "stop", sampled)
         seq.ids.append(token)
         try:
             fault("generator.detokenize", seq.label)
@@ -98,14 +98,18 @@ class Answers:
             return ()
         return tuple(self._pieces.logprob(sampled, text) for text, sampled in settled)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """Ends `seq` with `reason`: the caller gets the rest of the text and the finish."""
+    def _finish(self, seq: Sequence, reason: str, eos: Sampled | None = None) -> None:
+        """Ends `seq` with `reason`: the caller gets the rest of the text and the finish. A
+        `/v1/completions` answer ended by `eos` lists that token last in its logprobs, with no text
+        (as vLLM does, and as lm-eval's log-likelihood reading expects: one entry per token drawn)."""
         handle = seq.handle
         try:
             tail = seq.assembler.finish()
         except Exception as e:
             return self._fail(seq, e, "generator (finishing)")
         logprobs = self._settled_logprobs(seq)
+        if eos is not None and seq.params.logprobs and handle.request.prompt is not None:
+            logprobs += (self._pieces.logprob(eos, ""),)
         if tail or logprobs:
             handle.emit(TokenEvent(tail, -1, seq.choice, logprobs))
         usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)

@@ -8,9 +8,8 @@ with a 400 naming it; never silently ignored:
   `include_stop_str_in_output`, `spaces_between_special_tokens` (a no-op with transformers 5's
   tokenizers, as it is for fast tokenizers in vLLM), `best_of` (only equal to `n`: mmserve does
   not rank candidates), `use_beam_search` (false only), `length_penalty` (beam search only: any
-  value is accepted and, as in vLLM without beam search, unused), `prompt_logprobs` (null only:
-  the paged forward computes the logits of each sequence's last token, and a cached prefix has
-  none), `add_special_tokens` (false only, vLLM's default for chat), `priority` (0 only);
+  value is accepted and, as in vLLM without beam search, unused), `prompt_logprobs` (null only
+  here: `/v1/completions` computes them, `mmserve.inputs.completions`), `add_special_tokens` (false only, vLLM's default for chat), `priority` (0 only);
   `top_k`, `min_tokens` and `repetition_penalty` are parsed with OpenAI's own fields;
 * the chat template: `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`;
 * `echo`: the answer starts with the last message's content when that message has the answer's
@@ -105,9 +104,8 @@ def sampling_extensions(body: dict, n: int) -> dict:
     if length_penalty is not None and not _is_number(length_penalty):
         raise BadRequest(f"'length_penalty' must be a number, got {clip(length_penalty)}", param="length_penalty")
     if body.get("prompt_logprobs") is not None:
-        raise UnsupportedParameter("'prompt_logprobs' is not supported by mmserve: the model step computes "
-                                   "logits for each sequence's last token only (and a cached prefix has none)",
-                                   param="prompt_logprobs")
+        raise UnsupportedParameter("'prompt_logprobs' is not supported on chat completions; /v1/completions "
+                                   "computes them (prompt_logprobs, or echo with logprobs)", param="prompt_logprobs")
     if _flag(body, "add_special_tokens", False):
         raise UnsupportedParameter("'add_special_tokens': true is not supported: the chat template adds the "
                                    "special tokens", param="add_special_tokens")
