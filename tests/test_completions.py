@@ -109,6 +109,12 @@ def test_batch_and_n_are_indexed_prompt_major(client):
     got = client.completions.create(model="demo", prompt=prompts, temperature=0, max_tokens=5, n=2)
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
     assert [c.text for c in got.choices] == [single[0], single[0], single[1], single[1]]
+    echoed = client.completions.create(model="demo", prompt=prompts, temperature=0, max_tokens=5, n=2, echo=True,
+                                       logprobs=1)
+    assert [c.text for c in echoed.choices] == [p + t for p, t in zip(
+        [prompts[0], prompts[0], prompts[1], prompts[1]], [c.text for c in got.choices])]
+    assert echoed.choices[0].logprobs.token_logprobs == echoed.choices[1].logprobs.token_logprobs
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None
     seeded = client.completions.create(model="demo", prompt="red", temperature=1.0, max_tokens=6, n=3, seed=7)
     again = client.completions.create(model="demo", prompt="red", temperature=1.0, max_tokens=6, n=3, seed=7)
     assert [c.text for c in seeded.choices] == [c.text for c in again.choices]
@@ -322,3 +328,36 @@ async def test_qwen_raw_prompt_m_rope(demo_config):
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
     check_against_hf(ids, [p.logprob for p in raw.choices[0].prompt_logprobs], lp)
+
+
+async def test_a_preempted_scoring_request_keeps_its_scores_and_sends_its_echo_once(demo_config, tokenizer,
+                                                                                     hf_logprobs):
+    """A small arena: a scoring request is the newest while a long answer decodes, so it is
+    preempted and prefilled again; its prompt scores are still HF's and its echo comes once."""
+    from tests.test_preemption import LONG as LONG_CHAT, small_arena
+
+    ids = tokenizer("red green blue square circle triangle " * 3)["input_ids"]
+    async with Runtime.open(small_arena(demo_config)) as rt:
+        alone = await rt.text_completion(ids, temperature=0, max_tokens=30, echo=True, logprobs=1, ignore_eos=True)
+        generator = rt.registry.require("demo").generator
+        before = generator.preemptions
+        out = {}
+
+        async def scored():
+            out["scored"] = await rt.text_completion(ids, temperature=0, max_tokens=30, echo=True, logprobs=1,
+                                                     ignore_eos=True)
+
+        async with trio.open_nursery() as nursery:
+            long_answer = rt.chat(LONG_CHAT, temperature=0, max_tokens=60, min_tokens=60)
+            async for _ in long_answer:  # decoding: the scoring request comes after it
+                nursery.start_soon(scored)
+                break
+            async for _ in long_answer:
+                pass
+        assert generator.preemptions > before
+    got = out["scored"].choices[0]
+    assert got.text == alone.choices[0].text and got.text.startswith(tokenizer.decode(ids))
+    assert got.text.count(tokenizer.decode(ids)) == 1
+    check_against_hf(ids, [p.logprob for p in got.prompt_logprobs], hf_logprobs(ids))
+    assert [t.logprob for t in got.logprobs] == pytest.approx([t.logprob for t in alone.choices[0].logprobs],
+                                                              abs=1e-4)
