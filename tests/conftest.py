@@ -4,6 +4,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's interpreter is chosen when triton is first imported (transformers' model classes import
+# torch._dynamo, which imports triton), so it is chosen here, before anything else: without a GPU,
+# tests/test_triton_attention.py runs the paged Triton kernels on CPU tensors through it. Nothing
+# else uses triton; subprocesses inherit the variable harmlessly.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mmserve.logs import configure_logging
 from mmserve.models.demo import build_untrained, checkpoint_dir

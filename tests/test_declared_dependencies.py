@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mmserve"
 EXTRA_FOR = {"bench": "bench"}
 """Subpackage of mmserve -> the extra its imports may also be satisfied by."""
+EXTRA_FOR_FILE = {"mmserve/attention/triton_paged.py": "dev"}
+"""Module -> the extra its imports may also be satisfied by: the Triton kernels' `triton` comes with
+torch's CUDA wheels (where they run compiled) and, for the interpreter tests on the CPU, with the dev
+extra; `attention.select` imports the module only when the triton backend is chosen."""
 
 
 def normalise(name: str) -> str:
@@ -62,6 +66,8 @@ def declared() -> tuple[set[str], dict[str, set[str]]]:
 
 
 def extra_of(module: Path) -> str | None:
+    if module.as_posix() in EXTRA_FOR_FILE:
+        return EXTRA_FOR_FILE[module.as_posix()]
     parts = module.parts  # ("mmserve", "bench", ...)
     return EXTRA_FOR.get(parts[1]) if len(parts) > 2 else None
 

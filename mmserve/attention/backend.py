@@ -1,0 +1,226 @@
+"""The attention-backend interface over the paged KV arena, its step metadata, and the SDPA
+reference backend (`selection.select` picks a backend by name).
+
+A backend computes one layer's attention for one step of the ragged batch: the step's new tokens
+(`query` [T, heads, head_dim], packed sequence after sequence) against each sequence's keys in
+the arena (`key_cache`/`value_cache` [num_blocks, block_size, kv_heads, head_dim], the layer's
+tensors of `models.paged.KVArena`, the step's own K/V already written: `write_kv`), as described
+by `PagedMetadata`. Positions (rotary, M-RoPE's three rows) are applied before attention, so every
+backend serves M-RoPE models; what a backend must implement itself — GQA, a sliding window,
+bidirectional spans (e.g. image tokens that see each other), logit soft-capping — it declares in
+`supports`, and `check` refuses a model that needs anything else, naming it.
+
+Backends: `sdpa` (here) — per sequence, its keys read in place when its blocks are consecutive
+ids or gathered otherwise, then `torch.nn.functional.scaled_dot_product_attention` with the
+causal diagonal offset by the cached length: the attention `models/paged.py` computes today
+(tested equal), without its CPU speed-ups (decode tokens batched into one call), and the reference
+the Triton kernels are tested against. `triton` (`triton_paged.py`) — a split-KV decode
+kernel and a prefill kernel reading K/V through the block tables, no gather; on CUDA, or on the
+CPU only under Triton's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mmserve.errors import CheckpointError
+
+FEATURES = ("gqa", "mrope_positions", "sliding_window", "bidirectional_spans", "softcap")
+"""Everything a model may need of its attention beyond plain causal softmax attention."""
+
+NAMES = ("auto", "sdpa", "triton")
+"""The values of `[runtime] attention_backend`."""
+
+
+class UnsupportedAttentionFeature(CheckpointError):
+    """The model needs an attention feature the chosen backend does not implement."""
+
+    code = "attention_feature_unsupported"
+
+
+class AttentionBackendUnavailable(CheckpointError):
+    """The chosen attention backend cannot run here (unknown name, wrong device, triton missing)."""
+
+    code = "attention_backend_unavailable"
+
+
+@dataclass(frozen=True)
+class ModelFeatures:
+    """What a model's language model needs of attention (`FEATURES`); `from_config` reads it."""
+
+    gqa: bool = False
+    mrope_positions: bool = False
+    sliding_window: bool = False
+    bidirectional_spans: bool = False
+    softcap: bool = False
+
+    @property
+    def needed(self) -> tuple[str, ...]:
+        return tuple(f for f in FEATURES if getattr(self, f))
+
+    @classmethod
+    def from_config(cls, config) -> "ModelFeatures":
+        """From a transformers text config (a full VLM config's `text_config` is used if present).
+        Bidirectional spans are recognised by model type (Gemma 3 and PaliGemma let image tokens
+        see each other); the others by their config fields."""
+        text = getattr(config, "text_config", None) or config
+        model_type = f"{getattr(config, 'model_type', '')} {getattr(text, 'model_type', '')}"
+        heads = getattr(text, "num_attention_heads", None)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        layer_types = getattr(text, "layer_types", None)
+        if layer_types is not None:
+            window = any(t == "sliding_attention" for t in layer_types)
+        else:
+            window = bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True)
+        softcap = any(getattr(text, f, None) for f in ("attn_logit_softcapping", "attention_logit_softcapping"))
+        return cls(gqa=bool(heads and kv_heads and heads != kv_heads),
+                   mrope_positions=isinstance(rope, dict) and "mrope_section" in rope,
+                   sliding_window=window,
+                   bidirectional_spans=any(t in model_type for t in ("gemma3", "paligemma")),
+                   softcap=bool(softcap))
+
+
+@dataclass(frozen=True, eq=False)
+class PagedMetadata:
+    """One step's description, as flat tensors on the device (read by every layer) plus the host
+    integers a launch needs. Sequence i has `lengths[i]` new tokens (query rows
+    [cu_seqlens_q[i], cu_seqlens_q[i+1])) at positions [starts[i], seq_lens[i]); its block
+    table is row i of `block_tables` (padded with block 0 past its last block; never read there).
+
+    The first `num_decodes` sequences have one new token each (the decode batch); the rest may
+    have any number (a sequence of one token after them is simply treated as a chunk)."""
+
+    block_tables: torch.Tensor   # int32 [S, max_blocks]
+    seq_lens: torch.Tensor       # int32 [S]: cached + new tokens
+    cu_seqlens_q: torch.Tensor   # int32 [S + 1]
+    slot_mapping: torch.Tensor   # int64 [T]: the arena slot each new token's K/V goes to
+    num_decodes: int
+    max_query_len: int
+    block_size: int
+    starts: tuple[int, ...]      # host copies, for backends that loop per sequence
+    lengths: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.starts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @classmethod
+    def build(cls, segments: Sequence, block_size: int, device: torch.device | str = "cpu",
+              max_blocks: int | None = None) -> "PagedMetadata":
+        """From segments (anything with `block_table`, `start`, `length`: `models.paged.Segment`).
+        `max_blocks` pads the table tensor to a fixed width (a static buffer's); default: the
+        longest table the step uses."""
+        if not segments:
+            raise ValueError("a paged step needs at least one segment")
+        starts = tuple(int(s.start) for s in segments)
+        lengths = tuple(int(s.length) for s in segments)
+        if min(lengths) < 1 or min(starts) < 0:
+            raise ValueError("every segment needs a start >= 0 and at least one new token")
+        used = [-(-(st + n) // block_size) for st, n in zip(starts, lengths)]
+        tables = tuple(tuple(int(b) for b in s.block_table[:u]) for s, u in zip(segments, used))
+        if any(len(t) < u for t, u in zip(tables, used)):
+            raise ValueError("a block table is too short for its segment's tokens")
+        width = max(used) if max_blocks is None else max_blocks
+        if width < max(used):
+            raise ValueError(f"max_blocks={width} cannot hold a table of {max(used)} blocks")
+        padded = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = t
+        slots = np.concatenate([np.asarray(t, dtype=np.int64)[np.arange(st, st + n) // block_size] * block_size
+                                + np.arange(st, st + n) % block_size for t, st, n in zip(tables, starts, lengths)])
+        decodes = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
+        prefill = lengths[decodes:]
+        as_tensor = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(device)  # noqa: E731
+        return cls(block_tables=torch.from_numpy(padded).to(device),
+                   seq_lens=as_tensor([st + n for st, n in zip(starts, lengths)], torch.int32),
+                   cu_seqlens_q=as_tensor(np.concatenate([[0], np.cumsum(lengths)]), torch.int32),
+                   slot_mapping=torch.from_numpy(slots).to(device),
+                   num_decodes=decodes, max_query_len=max(prefill, default=0), block_size=block_size,
+                   starts=starts, lengths=lengths, tables=tables)
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes the step's new K/V ([T, kv_heads, head_dim] each) into their arena slots."""
+    n = key_cache.shape[0] * key_cache.shape[1]
+    key_cache.view(n, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(n, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the arena for one layer and one step (see the module docstring)."""
+
+    name: ClassVar[str]
+    supports: ClassVar[frozenset[str]]
+    """The `FEATURES` this backend implements ("mrope_positions" always: positions are applied
+    before attention)."""
+
+    def check(self, features: ModelFeatures) -> None:
+        """Refuses (`UnsupportedAttentionFeature`, naming each missing feature) a model that needs
+        something this backend does not implement."""
+        missing = [f for f in features.needed if f not in self.supports]
+        if missing:
+            raise UnsupportedAttentionFeature(
+                f"the {self.name!r} attention backend does not support {', '.join(missing)}, which this model "
+                f"needs (it supports: {', '.join(sorted(self.supports)) or 'plain causal attention only'})")
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: PagedMetadata, scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, heads, head_dim] (the step's new tokens, positions applied), the layer's
+        key/value arena tensors [num_blocks, block_size, kv_heads, head_dim] holding every key the
+        step reads (its own included) -> [T, heads, head_dim] in query's dtype (written into `out`
+        when given). `scale` defaults to 1/sqrt(head_dim)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class SdpaBackend(AttentionBackend):
+    """The reference: per sequence one `scaled_dot_product_attention` call over its keys — read in
+    place when its blocks are consecutive ids, gathered otherwise — with the causal diagonal offset
+    by its cached length. GQA through SDPA's `enable_gqa` (KV never repeated per head)."""
+
+    name = "sdpa"
+    supports = frozenset({"gqa", "mrope_positions"})
+
+    def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        heads, head_dim = query.shape[1], query.shape[2]
+        bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
+        kbuf = key_cache.view(-1, kv_heads, head_dim)
+        vbuf = value_cache.view(-1, kv_heads, head_dim)
+        out = torch.empty_like(query) if out is None else out
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        offset = 0
+        for table, start, length in zip(meta.tables, meta.starts, meta.lengths):
+            end = start + length
+            if table == tuple(range(table[0], table[0] + len(table))):
+                slots = slice(table[0] * bs, table[0] * bs + end)  # consecutive blocks: a view
+            else:
+                pos = torch.arange(end)
+                slots = (torch.tensor(table)[pos // bs] * bs + pos % bs).to(kbuf.device)
+            k = kbuf[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, kv_heads, end, d]
+            v = vbuf[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            q = query[offset:offset + length].transpose(0, 1).unsqueeze(0)  # [1, heads, length, d]
+            mask = None  # from position 0 SDPA's is_causal is the mask; one token sees every key
+            if start and length > 1:  # query i sees keys [0, start + i]
+                mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)).to(q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0 and length > 1,
+                                               scale=scale, enable_gqa=heads != kv_heads)
+            out[offset:offset + length] = o[0].transpose(0, 1)
+            offset += length
+        return out

@@ -1,0 +1,48 @@
+"""`select`: the attention backend `[runtime] attention_backend` names, on a device."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .backend import NAMES, AttentionBackend, AttentionBackendUnavailable, SdpaBackend
+
+
+def select(name: str, device: torch.device | str) -> AttentionBackend:
+    """The backend `[runtime] attention_backend = name` gives on `device`: "sdpa"; "triton" (CUDA,
+    or the CPU under Triton's interpreter only); "auto" (triton on CUDA when it imports, else sdpa).
+
+    "triton" on the CPU without the interpreter is an error, not a quiet fall-back to sdpa: a
+    configuration that names a backend gets that backend or a reason, and a test that means to
+    exercise the kernels can never pass by running the reference instead."""
+    device = torch.device(device)
+    if name == "sdpa":
+        return SdpaBackend()
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                from . import triton_paged
+            except ImportError:
+                return SdpaBackend()
+            if not triton_paged.INTERPRETING:  # auto never picks the interpreter (TRITON_INTERPRET=1)
+                return triton_paged.TritonBackend()
+        return SdpaBackend()
+    if name != "triton":
+        raise AttentionBackendUnavailable(f"unknown attention backend {name!r}: choose one of {', '.join(NAMES)}")
+    try:
+        from . import triton_paged
+    except ImportError as e:
+        raise AttentionBackendUnavailable(
+            f"the 'triton' attention backend needs the triton package ({e}); torch's CUDA wheels bring it, "
+            "or pip install 'triton>=3.6,<4'") from e
+    if device.type == "cuda":
+        return triton_paged.TritonBackend()
+    if device.type == "cpu" and triton_paged.interpreter_ready():
+        return triton_paged.TritonBackend()
+    hint = (" (TRITON_INTERPRET=1 is set now, but was not when triton was first imported: set it before that)"
+            if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "")
+    raise AttentionBackendUnavailable(
+        f"the 'triton' attention backend runs on CUDA; on {device.type!r} it runs only under Triton's interpreter "
+        f"(TRITON_INTERPRET=1 before triton is imported), which is for tests{hint}. Use attention_backend = "
+        "\"sdpa\" or \"auto\" here")
