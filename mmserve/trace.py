@@ -12,6 +12,8 @@ from typing import Iterable, Iterator, TextIO
 _SKIP = {"event", "timestamp", "level", "request_ids", "actor", "model"}
 COMPLETION_ID_PREFIX = "chatcmpl-"
 """A completion's id is this prefix and the internal request id the log names (`ChatStream.id`)."""
+TEXT_COMPLETION_ID_PREFIX = "cmpl-"
+"""The same for a `/v1/completions` answer (its first prompt's request id)."""
 
 
 def _events(lines: Iterable[str]) -> Iterator[dict]:
@@ -30,7 +32,8 @@ def request_events(lines: Iterable[str], request_id: str) -> list[dict]:
     internal id, or a client's `X-Request-Id` label, which may name several requests — with the
     batched steps that list them, in time order."""
     events = list(_events(lines))
-    ids = {request_id, request_id.removeprefix(COMPLETION_ID_PREFIX)}  # a label may start so too: both
+    # a label may start so too: every reading
+    ids = {request_id, request_id.removeprefix(COMPLETION_ID_PREFIX), request_id.removeprefix(TEXT_COMPLETION_ID_PREFIX)}
     ids |= {e["request_id"] for e in events if e.get("client_request_id") == request_id and e.get("request_id")}
     out = [e for e in events if e.get("request_id") in ids or ids & set(e.get("request_ids") or ())]
     out.sort(key=lambda e: e.get("timestamp", ""))

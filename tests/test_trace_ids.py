@@ -10,7 +10,7 @@ import sys
 from types import SimpleNamespace
 
 from mmserve.runtime.stream import ChatStream
-from mmserve.trace import COMPLETION_ID_PREFIX, main as trace
+from mmserve.trace import COMPLETION_ID_PREFIX, TEXT_COMPLETION_ID_PREFIX, main as trace
 
 RID, OTHER = "5f0c2d9e8a7b4c3d9e8f7a6b5c4d3e2f", "0" * 32
 
@@ -42,8 +42,11 @@ def test_the_id_the_api_returns_finds_the_request():
 
 
 def test_the_prefix_is_the_one_completion_ids_carry():
-    fake = SimpleNamespace(handle=SimpleNamespace(request_id=RID))
+    fake = SimpleNamespace(handle=SimpleNamespace(request_id=RID, request=SimpleNamespace(prompt=None)))
     assert ChatStream.id.fget(fake) == COMPLETION_ID_PREFIX + RID
+    legacy = SimpleNamespace(handle=SimpleNamespace(request_id=RID, request=SimpleNamespace(prompt="raw")))
+    assert ChatStream.id.fget(legacy) == TEXT_COMPLETION_ID_PREFIX + RID
+    assert traced(TEXT_COMPLETION_ID_PREFIX + RID) == traced(COMPLETION_ID_PREFIX + RID)
 
 
 def test_an_unknown_id_finds_nothing():
