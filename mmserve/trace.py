@@ -33,7 +33,7 @@ def request_events(lines: Iterable[str], request_id: str) -> list[dict]:
     batched steps that list them, in time order."""
     events = list(_events(lines))
     # a label may start so too: every reading
-    ids = {request_id, request_id.removeprefix(COMPLETION_ID_PREFIX), request_id.removeprefix(TEXT_COMPLETION_ID_PREFIX)}
+    ids = {request_id, *(request_id.removeprefix(p) for p in (COMPLETION_ID_PREFIX, TEXT_COMPLETION_ID_PREFIX))}
     ids |= {e["request_id"] for e in events if e.get("client_request_id") == request_id and e.get("request_id")}
     out = [e for e in events if e.get("request_id") in ids or ids & set(e.get("request_ids") or ())]
     out.sort(key=lambda e: e.get("timestamp", ""))
