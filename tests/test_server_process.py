@@ -97,11 +97,12 @@ def _start_stream(url, max_tokens):
 
 
 def test_sigterm_drains_streams_refuses_new_work_and_exits_0(tmp_path, tiny_model_dir):
-    server = ServerProcess(tmp_path, tiny_model_dir, grace_s=1.5)
+    server = ServerProcess(tmp_path, tiny_model_dir, grace_s=2.5)
     try:
-        long, long_lines = _start_stream(server.url, 100_000 // 25)  # does not finish within the grace
-        # finishes within the grace; the signal goes at its first token, so it is surely in flight
-        short, short_lines = _start_stream(server.url, 60)
+        long, long_lines = _start_stream(server.url, 100_000 // 25)  # ~5 s on a quiet machine: cut
+        # finishes within the grace, and is surely in flight when the signal (sent at its first token)
+        # is handled: 400 tokens take ~0.45 s on a quiet machine (60 took 0.06 s and ended first)
+        short, short_lines = _start_stream(server.url, 400)
         server.proc.send_signal(signal.SIGTERM)
         server.wait_event("runtime.draining")
         with httpx.Client(base_url=server.url, timeout=10) as c:
@@ -117,7 +118,7 @@ def test_sigterm_drains_streams_refuses_new_work_and_exits_0(tmp_path, tiny_mode
     assert short_lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in short_lines[-2]
     assert long_lines[-1] == "data: [DONE]" and '"code": "shutdown"' in long_lines[-2]
     draining, stopped = server.event("runtime.draining"), server.event("runtime.stopped")
-    assert draining["in_flight"] == 2 and draining["grace_s"] == 1.5
+    assert draining["in_flight"] == 2 and draining["grace_s"] == 2.5
     assert stopped and stopped["finished_in_grace"] == 1 and stopped["cut"] == 1
 
 
