@@ -212,11 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", action="append", help="train only this demo model (repeatable)")
     t.set_defaults(func=_train_demo)
 
-    m = sub.add_parser("make-model", help="build a random-weight LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint of a "
+    m = sub.add_parser("make-model", help="build a random-weight LLaVA, Qwen2-VL, Qwen2.5-VL or LLaVA-OneVision checkpoint of a "
                        "preset shape")
     m.add_argument("--preset", default="bench", help="LLaVA: tiny | demo | demo-wide | bench | llava-7b (~14 GB, "
                    "bfloat16); Qwen2-VL: tiny-qwen | demo-qwen | bench-qwen | qwen2-vl-7b (~15 GB, bfloat16); "
-                   "Qwen2.5-VL: tiny-qwen2.5-vl | qwen2.5-vl-7b (~14 GB, bfloat16)")
+                   "Qwen2.5-VL: tiny-qwen2.5-vl | qwen2.5-vl-7b (~14 GB, bfloat16); LLaVA-OneVision: "
+                   "tiny-llava-onevision | llava-onevision-7b (~14 GB, bfloat16)")
     m.add_argument("--out", required=True, help="the directory to write the checkpoint into (created if missing); "
                    "serve it with `mmserve serve --model DIR`")
     m.add_argument("--seed", type=int, default=0, help="the seed of the random weights (default: 0); a seed always "

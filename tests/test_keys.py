@@ -193,6 +193,45 @@ def test_qwen2_5_vl_image_header_is_layout_2_with_the_processor_settings_and_pin
     assert mm_hash_image(SIG, digest, "RGB", (20, 12), pixels, grid=grid).hex() == "7035dfe0068aa1dbbedbab294da435af"
 
 
+def test_llava_onevision_image_header_is_layout_2_with_the_processor_settings_and_tiling_pinned(tmp_path):
+    """A LLaVA-OneVision image under the tiny-llava-onevision preset's processor as a checkpoint
+    holds it (saved, then loaded as the adapter loads it): layout 2; the processor digest over the
+    image processor's settings — grid pinpoints, tile size, resampling, normalisation, padding
+    (and crop, when set) — and, under "processor", the processor's own (num_image_tokens,
+    vision_feature_select_strategy, vision_aspect_ratio); then the size, the array header, and as
+    the grid (tokens, tile rows, tile columns): a 70x30 image takes the 32x96 pinpoint, 1x3 tiles,
+    16 base rows + 4 rows of 10 unpadded columns and a newline = 60 tokens."""
+    from transformers import LlavaOnevisionImageProcessorPil
+
+    from mmserve.models.demo.onevision import build_onevision_image_processor, processor_settings
+    from mmserve.models.llava_onevision import _PROCESSOR_KEYS, image_tiles, image_tokens, onevision_processor_digest
+
+    build_onevision_image_processor("tiny-llava-onevision").save_pretrained(tmp_path)
+    ip = LlavaOnevisionImageProcessorPil.from_pretrained(tmp_path)
+    settings = ip.to_dict()
+    own = {k: processor_settings("tiny-llava-onevision")[k] for k in _PROCESSOR_KEYS}
+    assert K.canonical_json({**settings, "processor": own}) == (
+        b'{"do_convert_rgb":true,"do_normalize":true,"do_pad":true,"do_rescale":true,"do_resize":true,'
+        b'"image_grid_pinpoints":[[32,32],[32,64],[64,32],[64,64],[32,96],[96,32],[64,96],[96,64]],'
+        b'"image_mean":[0.5,0.5,0.5],"image_processor_type":"LlavaOnevisionImageProcessor",'
+        b'"image_std":[0.5,0.5,0.5],"processor":{"num_image_tokens":16,"vision_aspect_ratio":"anyres_max_4",'
+        b'"vision_feature_select_strategy":"full"},"resample":3,"rescale_factor":0.00392156862745098,'
+        b'"size":{"height":32,"width":32}}')
+    digest = onevision_processor_digest(settings, own)
+    assert digest == 0x01F9779169D969BF
+    grid = (image_tokens(ip, own, 30, 70), *image_tiles(ip, 30, 70))
+    assert grid == (60, 1, 3)
+    pixels = np.arange(70 * 30 * 3, dtype=np.uint16).astype(np.uint8).reshape(30, 70, 3)
+    header = K.image_header(SIG, digest, "RGB", (70, 30), pixels, grid)
+    assert header == b"".join([struct.pack("<HBQQ", 2, 1, SIG, digest), lp("RGB"), struct.pack("<II", 70, 30),
+                               lp("|u1"), struct.pack("<IIII", 3, 30, 70, 3), struct.pack("<III", *grid)])
+    assert header.hex() == (
+        "0200010807060504030201bf69d9699177f90103000000524742460000001e000000030000007c7531030000001e00000046"
+        "000000030000003c0000000100000003000000"
+    )
+    assert mm_hash_image(SIG, digest, "RGB", (70, 30), pixels, grid=grid).hex() == "2d7185cd378ebf7410bf92d9f7d22f24"
+
+
 def test_audio_header_and_hash_are_pinned():
     samples = np.array([0.0, 0.5, -1.0], dtype=np.float32)
     header = K.audio_header(1, 2, samples, 16000)

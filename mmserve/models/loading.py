@@ -14,7 +14,8 @@ from mmserve.errors import NotACheckpoint, UnsupportedModelType
 if TYPE_CHECKING:
     from mmserve.models.adapter import Adapter
 
-FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL",
+            "llava_onevision": "LLaVA-OneVision"}
 """model_type -> family name, for every family mmserve serves."""
 
 
@@ -65,6 +66,8 @@ def load_adapter(name: str, path: str | Path, device: str = "cpu", dtype: str = 
         from mmserve.models.qwen2_vl import Qwen2VLAdapter as cls
     elif kind == "qwen2_5_vl":
         from mmserve.models.qwen2_5_vl import Qwen2_5_VLAdapter as cls
+    elif kind == "llava_onevision":
+        from mmserve.models.llava_onevision import LlavaOnevisionAdapter as cls
     else:
         from mmserve.models.llava import LlavaAdapter as cls
     return cls(name, path, device=device, dtype=dtype, hash_algorithm=hash_algorithm)

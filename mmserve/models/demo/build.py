@@ -240,10 +240,17 @@ def build_untrained(preset: str, out_dir, seed: int = 0, random_weights: bool = 
 
     ``random_weights``: save no weights, only the config, processor and a marker; the model is
     drawn from ``seed`` where it is loaded (:mod:`mmserve.models.random_weights`).
-    Qwen2-VL preset names (``tiny-qwen``, ``bench-qwen``, ...) go to :mod:`.qwen`.
+    Qwen2-VL preset names (``tiny-qwen``, ``bench-qwen``, ...) go to :mod:`.qwen`, LLaVA-OneVision
+    ones (``tiny-llava-onevision``, ``llava-onevision-7b``) to :mod:`.onevision`.
     """
     from .qwen import QWEN_PRESETS, build_untrained_qwen, write_random_qwen  # lazy: most callers build LLaVA only
 
+    from .onevision import ONEVISION_PRESETS, build_untrained_onevision, write_random_onevision
+
+    if isinstance(preset, str) and preset in ONEVISION_PRESETS:
+        if random_weights:
+            return write_random_onevision(preset, out_dir, seed=seed)
+        return build_untrained_onevision(preset, out_dir, seed=seed)
     if isinstance(preset, str) and preset in QWEN_PRESETS:
         if random_weights:
             return write_random_qwen(preset, out_dir, seed=seed)
