@@ -136,8 +136,12 @@ async def test_a_step_of_a_dead_manager_life_writes_nothing(demo_config):
                 async for _ in long_answer:
                     if snapshot is None:
                         seq = generator.seqs[0]
-                        blocks = list(seq.table)
+                        blocks, steps = list(seq.table), generator.steps
                         kv.epoch = seq.epoch + 1  # what the restarted manager's `_reset` does
+                        # a step that was already running when the epoch moved may still write: once
+                        # it is done, no later step writes these blocks
+                        await wait_until(lambda: generator.steps > steps or not generator.seqs, 5,
+                                         what="the step running at the restart to end")
                         snapshot = [t[blocks].clone() for t in (*kv.keys, *kv.values)]
         except MMServeError as e:
             error = e

@@ -264,10 +264,15 @@ def test_concurrent_requests_in_a_tiny_arena_preempt_and_stay_exact(runtimes):
     def one(i):
         got[i] = ask(on, work[i][0], work[i][1], 8).choices[0]
 
-    assert not run_concurrently(one, [(i,) for i in range(len(work))]), "a request never ended"
-    problems = [(i, p) for i, ((model, _), g, e) in enumerate(zip(work, got, expected))
-                if (p := mismatch(model, g, e, f"request {i}"))]
-    assert not problems, problems
+    # whether the arena overflows depends on how the threads' requests overlap: up to three rounds,
+    # every one of them checked exactly, until one preempted
+    for _ in range(3):
+        assert not run_concurrently(one, [(i,) for i in range(len(work))]), "a request never ended"
+        problems = [(i, p) for i, ((model, _), g, e) in enumerate(zip(work, got, expected))
+                    if (p := mismatch(model, g, e, f"request {i}"))]
+        assert not problems, problems
+        if generator.preemptions > before:
+            break
     assert generator.preemptions > before, "the arena was large enough: nothing was preempted"
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
 
