@@ -3,7 +3,10 @@
 Run by scripts/check-fresh-install.sh in a virtual environment that has the project without
 extras, so an import that only an extra (or the dev tools) provides shows up here, not on a
 user's machine. Modules under `mmserve.bench` may fail only for want of the `bench` extra's own
-modules: `mmserve bench` checks for the extra and says so in one line before importing them.
+modules: `mmserve bench` checks for the extra and says so in one line before importing them. The
+Triton kernels' module may fail only for want of triton: torch's CUDA wheels bring it, and
+`mmserve.attention.selection` imports the module only when that backend is chosen, saying what
+is missing if it is not installed.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import mmserve
 from mmserve.bench.extra import REQUIRED as BENCH_EXTRA
 
 BENCH = "mmserve.bench"
+TRITON_KERNELS = "mmserve.attention.triton_paged"
 
 
 def needs_only_the_bench_extra(name: str, err: BaseException) -> bool:
     missing = err.name.split(".")[0] if isinstance(err, ModuleNotFoundError) and err.name else None
+    if name == TRITON_KERNELS:
+        return missing == "triton"
     return (name == BENCH or name.startswith(BENCH + ".")) and missing in BENCH_EXTRA
 
 
@@ -44,7 +50,8 @@ def main() -> int:
         except Exception:  # every failure is reported, not only the first
             failed(name)
     print(f"imported {imported} modules of mmserve from {mmserve.__path__[0]}"
-          + (f"; {len(skipped)} need the bench extra ({', '.join(BENCH_EXTRA)})" if skipped else ""))
+          + (f"; {len(skipped)} need an optional package (the bench extra: {', '.join(BENCH_EXTRA)}; "
+             "the Triton kernels: triton)" if skipped else ""))
     for name, error in failures.items():
         print(f"cannot import {name}: {error}", file=sys.stderr)
     return 1 if failures else 0
