@@ -21,6 +21,35 @@ def value(m, name, **labels):
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def test_running_counts_admitted_requests_and_the_rest_wait(tiny_config):
+    """With max_running_requests = 1, a long answer runs and a second request waits in the
+    generator for admission: running 1, waiting 1 (not 2 running, as when every sequence in the
+    generator counted)."""
+    import threading
+    import time
+
+    config = tiny_config.replace(generator={"max_running_requests": 1})
+    long = {"messages": ask(render_image("red", "circle", seed=1)), "max_tokens": 3000, "min_tokens": 3000,
+            "temperature": 0, "stream": True}
+    second = {"messages": ask(render_image("blue", "square", seed=2)), "max_tokens": 2, "temperature": 0}
+    with ServerThread(config) as server, httpx.Client(base_url=server.url, timeout=60) as c:
+        m = {"model_name": "tiny"}
+        with c.stream("POST", "/v1/chat/completions", json=long) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # the long answer is decoding
+            t = threading.Thread(target=lambda: c.post("/v1/chat/completions", json=second))
+            t.start()
+            generator = server.runtime.registry.require("tiny").generator
+            deadline = time.monotonic() + 10
+            while len(generator.seqs) < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            now = scrape(c)
+            assert len(generator.seqs) == 2
+            assert value(now, "mmserve:num_requests_running", **m) == 1
+            assert value(now, "mmserve:num_requests_waiting", **m) == 1
+        t.join(30)
+
+
 def test_metrics_move_by_exact_amounts(tiny_config):
     img = render_image("red", "circle", seed=1)
     with ServerThread(tiny_config) as server, httpx.Client(base_url=server.url, timeout=30) as c:

@@ -91,8 +91,10 @@ class _RuntimeCollector:
         rt = self.rt
         g = lambda name, doc, labels=("model_name",): GaugeMetricFamily(name, doc, labels=list(labels))  # noqa: E731
         c = lambda name, doc, labels=("model_name",): CounterMetricFamily(name, doc, labels=list(labels))  # noqa: E731
-        running = g("mmserve:num_requests_running", "Sequences in the generator (prefilling or decoding).")
-        waiting = g("mmserve:num_requests_waiting", "Requests accepted but not yet in the generator.")
+        running = g("mmserve:num_requests_running",
+                    "Requests the scheduler admitted (at most max_running_requests; n choices count once).")
+        waiting = g("mmserve:num_requests_waiting",
+                    "Requests accepted but not running yet (being prepared, or waiting for admission).")
         kv_usage = g("mmserve:kv_cache_usage_perc",
                      "Fraction of KV blocks held by running requests (0-1); cached blocks nobody holds count as free.")
         kv_evictable = g("mmserve:kv_cache_evictable_perc",
@@ -104,7 +106,7 @@ class _RuntimeCollector:
         mh = c("mmserve:mm_cache_hits", "Multimodal items found in the encoder cache.")
         live = [h for h in rt._live if h.active]
         for name, m in rt.registry.loaded.items():
-            gen_ids = {s.handle.request_id for s in m.generator.running}
+            gen_ids = {s.handle.request_id for s in m.generator.running if s.admitted}
             running.add_metric([name], len(gen_ids))
             waiting.add_metric([name], sum(1 for h in live if h.model == name and h.request_id not in gen_ids))
             enc = m.encoder.stats()
