@@ -16,7 +16,7 @@ from mmserve.logs import configure_logging, get_logger
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import serve
     from mmserve.config import load_config, with_models
-    from mmserve.models.loading import check_checkpoint
+    from mmserve.models.loading import check_attention, check_checkpoint
 
     try:
         config = load_config(args.config)
@@ -26,6 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = config.replace(server=server) if server else config
         for model in config.models:  # every model, loaded at start or on demand: found now, not at its first request
             check_checkpoint(model.name, model.resolved_path())
+            check_attention(model.name, model.resolved_path())
     except (OSError, ValueError) as err:  # the operator's error (CheckpointError is a ValueError): one line, no traceback
         print(f"mmserve serve: {err}", file=sys.stderr)
         return 1
