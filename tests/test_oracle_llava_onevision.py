@@ -15,9 +15,6 @@ warning naming it), and nothing else is loosened. The trained LLaVA's answers mu
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
-
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
@@ -25,10 +22,10 @@ from hypothesis import strategies as st
 
 from mmserve import SyncRuntime
 from mmserve.config import ModelConfig
-from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SHAPE, SHAPES, build_untrained
+from mmserve.models.demo import BACKGROUNDS, COLORS, Q_FIRST, Q_SHAPE, SHAPES, build_untrained
 from mmserve.models.demo import render_image
 from tests.conftest import on_device
-from tests.helpers import assert_nothing_held, image_part, run_concurrently
+from tests.family_oracle import FamilyOracle, Turn, loaded
 
 # (width, height): tiles and tokens under tiny-llava-onevision (32 px tiles, anyres_max_4):
 # 64x64 2x2: 88, 48x40 2x2: 70, 32x32 1x1: 36, 100x40 2x3 pooled: 68, 40x100 3x2 pooled: 76,
@@ -38,9 +35,9 @@ IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=70
           for i, size in enumerate(SIZES)]
 RANDOM = ("ov",)  # random weights: judged token by token with the tie rule
 MODELS = ["ov", "ov", "ov", "demo"]  # LLaVA-OneVision drawn most often
-QUESTIONS = [Q_COLOR, Q_BACKGROUND, Q_SHAPE, Q_FIRST]
-TIE = 1e-4  # top-2 logit margin below which a flip is a float tie (PITFALLS.md)
-FLIPS: list[str] = []  # every tolerated flip, also warned about
+ORACLE = FamilyOracle(IMAGES, RANDOM, MODELS)
+FLIPS = ORACLE.flips
+ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 
 
 @pytest.fixture(scope="module")
@@ -58,159 +55,22 @@ def runtimes(demo_config, tmp_path_factory):
         print(f"\n{len(FLIPS)} float-tie flips tolerated:\n" + "\n".join(FLIPS))
 
 
-def ask(rt, model: str, messages: list, tokens: int, n: int = 1):
-    """The completion of a greedy request (logprobs with the top two for the random models)."""
-    extra = dict(logprobs=True, top_logprobs=2) if model in RANDOM else {}
-    return rt.chat_completion(messages, model=model, temperature=0, max_tokens=tokens, min_tokens=tokens, n=n,
-                              **extra)
-
-
-def mismatch(model: str, got, expected, where) -> str | None:
-    """None when choice `got` (caches on) is the same answer as `expected` (caches off) under the
-    oracle's rule; else what differs."""
-    if model not in RANDOM:
-        return None if got.text == expected.text else f"{got.text!r} != {expected.text!r}"
-    a, b = got.logprobs, expected.logprobs
-    for k, (x, y) in enumerate(zip(a, b)):
-        if x.bytes == y.bytes:
-            continue
-        margins = (x.top[0].logprob - x.top[1].logprob, y.top[0].logprob - y.top[1].logprob)
-        swapped = (x.top[0].bytes, x.top[1].bytes) == (y.top[1].bytes, y.top[0].bytes) == (x.bytes, y.bytes)
-        if swapped and max(margins) < TIE:
-            note = f"{model} token {k}: {bytes(x.bytes)!r} / {bytes(y.bytes)!r}, margins {margins} ({where})"
-            FLIPS.append(note)
-            warnings.warn(f"float tie tolerated: {note}")
-            return None  # the answers part here; everything before was equal
-        return f"token {k}: {bytes(x.bytes)!r} != {bytes(y.bytes)!r} (top-2 margins {margins})"
-    if len(a) != len(b) or got.text != expected.text:
-        return f"{got.text!r} != {expected.text!r}"
-    return None
-
-
-@dataclass(frozen=True)
-class Turn:
-    images: tuple[int, ...]  # indices into IMAGES
-    question: str
-    disconnect_after: int | None  # abandon the request after this many deltas (None: read it all)
-
-
-@dataclass(frozen=True)
-class Conversation:
-    model: str
-    system: str | None
-    turns: tuple[Turn, ...]
-
-
-image_ids = st.integers(0, len(IMAGES) - 1)
-
-
-@st.composite
-def conversations(draw):
-    turns = []
-    for t in range(draw(st.integers(1, 3))):
-        images = draw(st.lists(image_ids, min_size=1, max_size=3)) if t == 0 else draw(st.lists(image_ids, max_size=1))
-        turns.append(Turn(tuple(images), draw(st.sampled_from(QUESTIONS)),
-                          draw(st.one_of(st.none(), st.none(), st.integers(0, 1)))))
-    return Conversation(draw(st.sampled_from(MODELS)), draw(st.sampled_from([None, "Answer briefly."])), tuple(turns))
-
-
-def user_message(turn: Turn) -> dict:
-    parts = [image_part(IMAGES[i]) for i in turn.images]
-    return {"role": "user", "content": parts + [{"type": "text", "text": turn.question}]}
-
-
-def converse(on, off, c: Conversation, history: list, turn: Turn) -> str | None:
-    """One turn with the caches off and on; appends it and the cache-off answer to `history`."""
-    history.append(user_message(turn))
-    expected = ask(off, c.model, history, 6).choices[0]
-    problem = None
-    if turn.disconnect_after is None:
-        problem = mismatch(c.model, ask(on, c.model, history, 6).choices[0], expected, "turn")
-    else:
-        for i, _ in enumerate(on.chat(history, model=c.model, temperature=0, max_tokens=6, min_tokens=6)):
-            if i >= turn.disconnect_after:
-                break
-    history.append({"role": "assistant", "content": expected.text})
-    return problem and f"{c.model}: {problem}"
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(conversations(), min_size=2, max_size=5))
+@given(st.lists(ORACLE.conversations(), min_size=2, max_size=5))
 def test_cache_on_equals_cache_off(runtimes, workload):
-    on, off = runtimes
-    histories = [[{"role": "system", "content": c.system}] if c.system else [] for c in workload]
-    for t in range(max(len(c.turns) for c in workload)):  # interleaved turn by turn
-        for c, history in zip(workload, histories):
-            if t < len(c.turns):
-                problem = converse(on, off, c, history, c.turns[t])
-                assert problem is None, (problem, history)
+    ORACLE.interleaved(runtimes, workload)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(conversations(), min_size=2, max_size=6))
+@given(st.lists(ORACLE.conversations(), min_size=2, max_size=6))
 def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
-    on, off = runtimes
-    problems, errors = [], []
-
-    def one(c: Conversation) -> None:
-        history = [{"role": "system", "content": c.system}] if c.system else []
-        try:
-            for turn in c.turns:
-                problem = converse(on, off, c, history, turn)
-                if problem:
-                    problems.append((problem, list(history)))
-        except BaseException as e:  # reported below, in the test's thread
-            errors.append(e)
-
-    hung = run_concurrently(one, [(c,) for c in workload])
-    assert not errors, errors
-    assert not hung, "a conversation never ended"
-    assert not problems, problems[:3]
-    trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
-
-
-@dataclass(frozen=True)
-class Ask:
-    model: str
-    images: tuple[int, ...]
-    n: int
-    tokens: int
-
-
-asks = st.builds(Ask, st.sampled_from(MODELS), st.lists(image_ids, min_size=1, max_size=3).map(tuple),
-                 st.integers(2, 3), st.integers(1, 24))
+    ORACLE.concurrently(runtimes, workload)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(asks, min_size=2, max_size=8))
+@given(st.lists(ORACLE.asks(), min_size=2, max_size=8))
 def test_greedy_choices_equal_the_single_cache_off_answer_concurrently(runtimes, workload):
-    """n > 1 at once: forks over one shared prefill, copied partial blocks, preemptions — each
-    greedy choice is the single cache-off answer."""
-    on, off = runtimes
-    problems, errors = [], []
-
-    def one(a: Ask) -> None:
-        messages = [user_message(Turn(a.images, Q_COLOR, None))]
-        try:
-            expected = ask(off, a.model, messages, a.tokens).choices[0]
-            for choice in ask(on, a.model, messages, a.tokens, n=a.n).choices:
-                problem = mismatch(a.model, choice, expected, f"choice {choice.index}")
-                if problem:
-                    problems.append((a, problem))
-        except BaseException as e:  # reported below, in the test's thread
-            errors.append((a, e))
-
-    hung = run_concurrently(one, [(a,) for a in workload])
-    assert not errors, errors
-    assert not hung, "a request never ended"
-    assert not problems, problems[:3]
-    trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
-
-
-def loaded(rt, model: str):
-    """The model as `rt` serves it, loaded (a non-default model loads at its first request)."""
-    rt.chat_completion([{"role": "user", "content": "hi"}], model=model, max_tokens=1)
-    return rt.runtime.registry.require(model)
+    ORACLE.greedy_choices(runtimes, workload)
 
 
 def test_a_hit_ending_inside_an_image_inside_a_tile_is_exact(runtimes):
@@ -258,35 +118,9 @@ def test_a_llava_and_a_onevision_with_one_tokenizer_never_share_an_encoder_outpu
 
 
 def test_concurrent_requests_in_a_tiny_arena_preempt_and_stay_exact(runtimes):
-    """12 three-image OneVision requests at once (~25-32 blocks each) beside 4 LLaVA ones, in an
-    arena of 80 blocks: the newest sequences are preempted and recomputed, cached blocks evicted,
-    and every answer is its cache-off answer."""
-    on, off = runtimes
-    work = [("ov" if i % 4 else "demo", [user_message(Turn(tuple((i + k) % len(IMAGES) for k in range(3)), Q_COLOR,
-                                                          None))]) for i in range(16)]
-    expected = [ask(off, model, m, 8).choices[0] for model, m in work]
-    generator = loaded(on, "ov").generator
-    before = generator.preemptions
-    got: list = [None] * len(work)
-
-    def one(i):
-        got[i] = ask(on, work[i][0], work[i][1], 8).choices[0]
-
-    assert not run_concurrently(one, [(i,) for i in range(len(work))]), "a request never ended"
-    problems = [(i, p) for i, ((model, _), g, e) in enumerate(zip(work, got, expected))
-                if (p := mismatch(model, g, e, f"request {i}"))]
-    assert not problems, problems
-    assert generator.preemptions > before, "the arena was large enough: nothing was preempted"
-    trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
+    ORACLE.in_a_tiny_arena(runtimes, "ov")
 
 
 def test_the_workloads_reached_what_they_test(runtimes):
-    """Run last: the OneVision model hit the prefix cache, evicted blocks and encoder entries,
-    and preempted sequences (a test above that reached none of it would prove nothing)."""
-    on, _ = runtimes
-    stats = on.stats()["ov"]
-    generator = on.runtime.registry.require("ov").generator
-    print(f"ov: {stats}, preemptions {generator.preemptions}, flips {len(FLIPS)}")
-    assert stats["prefix_cache"]["hit_blocks"] > 0 and stats["prefix_cache"]["evictions"] > 0
-    assert stats["encoder"]["evictions"] > 0
-    assert generator.preemptions > 0
+    """Run last: the workloads above reached what they test."""
+    ORACLE.reached_what_it_tests(runtimes, "ov")
