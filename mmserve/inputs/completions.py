@@ -13,7 +13,7 @@ from typing import Any
 
 from mmserve.config import LimitsConfig
 from mmserve.errors import BadRequest, UnsupportedParameter, clip
-from mmserve.inputs.extensions import SAMPLING_FIELDS, STRUCTURED_FIELDS, TemplateOptions
+from mmserve.inputs.extensions import SAMPLING_FIELDS, STRUCTURED_FIELDS, TemplateOptions, flag
 from mmserve.inputs.request import (MAX_CHOICES, MAX_TOP_LOGPROBS, ChatRequest, RawPrompt, check_json_shape,
                                     parse_common, parse_sampling)
 
@@ -28,15 +28,6 @@ _KNOWN = {
 } | _OWN | SAMPLING_FIELDS | STRUCTURED_FIELDS
 # the answer is the model's raw continuation: nothing is stripped (no generation prompt, no lead)
 RAW = TemplateOptions(add_generation_prompt=False)
-
-
-def _flag(body: dict, key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"'{key}' must be a boolean, got {clip(v)}", param=key)
-    return v
 
 
 def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
@@ -102,7 +93,7 @@ def parse_completion_requests(body: Any, limits: LimitsConfig, default_model: st
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", param="prompt")
     prompts = parse_prompts(body["prompt"])
-    echo = _flag(body, "echo", False)
+    echo = flag(body, "echo", False)
     logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     max_tokens = _int(body, "max_tokens", 0, limits.max_tokens)
@@ -123,7 +114,7 @@ def parse_completion_requests(body: Any, limits: LimitsConfig, default_model: st
     rest = {k: v for k, v in body.items() if k not in _OWN}
     sampling = dataclasses.replace(parse_sampling(rest, limits), max_tokens=max_tokens,
                                    logprobs=logprobs is not None, top_logprobs=logprobs or 0)
-    add_special = _flag(body, "add_special_tokens", True)
+    add_special = flag(body, "add_special_tokens", True)
     return tuple(
         ChatRequest(model=model, messages=(), sampling=sampling, stream=stream, include_usage=include_usage,
                     cache_salt=salt, template=RAW,

@@ -73,7 +73,8 @@ class TemplateOptions:
                 "continue_final_message": self.continue_final_message}
 
 
-def _flag(body: dict, key: str, default: bool) -> bool:
+def flag(body: dict, key: str, default: bool) -> bool:
+    """`body[key]` as a boolean (`default` when absent); a 400 naming the key otherwise."""
     v = body.get(key)
     if v is None:
         return default
@@ -97,7 +98,7 @@ def sampling_extensions(body: dict, n: int) -> dict:
     if best_of is not None and (not _is_int(best_of) or best_of != n):
         raise UnsupportedParameter(f"'best_of' must equal 'n' ({n}) or be left out: mmserve returns every "
                                    f"choice it samples and ranks none, got {clip(best_of)}", param="best_of")
-    if _flag(body, "use_beam_search", False):
+    if flag(body, "use_beam_search", False):
         raise UnsupportedParameter("'use_beam_search' is not supported by mmserve (sampling only); "
                                    "leave it out or set it to false", param="use_beam_search")
     length_penalty = body.get("length_penalty")
@@ -106,22 +107,22 @@ def sampling_extensions(body: dict, n: int) -> dict:
     if body.get("prompt_logprobs") is not None:
         raise UnsupportedParameter("'prompt_logprobs' is not supported on chat completions; /v1/completions "
                                    "computes them (prompt_logprobs, or echo with logprobs)", param="prompt_logprobs")
-    if _flag(body, "add_special_tokens", False):
+    if flag(body, "add_special_tokens", False):
         raise UnsupportedParameter("'add_special_tokens': true is not supported: the chat template adds the "
                                    "special tokens", param="add_special_tokens")
     if body.get("priority") not in (None, 0):
         raise UnsupportedParameter("'priority' other than 0 is not supported: requests are served oldest first",
                                    param="priority")
-    _flag(body, "spaces_between_special_tokens", True)  # no effect with transformers 5 tokenizers
+    flag(body, "spaces_between_special_tokens", True)  # no effect with transformers 5 tokenizers
     min_p = body.get("min_p")
     if min_p is not None and not (_is_number(min_p) and 0 <= min_p <= 1):
         raise BadRequest(f"'min_p' must be a number between 0 and 1, got {clip(min_p)}", param="min_p")
     return dict(
         min_p=float(min_p or 0.0),
-        ignore_eos=_flag(body, "ignore_eos", False),
+        ignore_eos=flag(body, "ignore_eos", False),
         stop_token_ids=_token_ids(body.get("stop_token_ids")),
-        skip_special_tokens=_flag(body, "skip_special_tokens", True),
-        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+        skip_special_tokens=flag(body, "skip_special_tokens", True),
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
     )
 
 
@@ -136,8 +137,8 @@ def _token_ids(v: Any) -> tuple[int, ...]:
 
 
 def template_options(body: dict) -> TemplateOptions:
-    add = _flag(body, "add_generation_prompt", True)
-    cont = _flag(body, "continue_final_message", False)
+    add = flag(body, "add_generation_prompt", True)
+    cont = flag(body, "continue_final_message", False)
     if add and cont and "add_generation_prompt" in body:
         raise BadRequest("cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
                          param="continue_final_message")
@@ -158,7 +159,7 @@ def template_options(body: dict) -> TemplateOptions:
 
 
 def wants_echo(body: dict) -> bool:
-    return _flag(body, "echo", False)
+    return flag(body, "echo", False)
 
 
 def structured_grammar(body: dict) -> str | None:
