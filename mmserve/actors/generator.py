@@ -290,9 +290,10 @@ class Generator(BlockGrants, Answers, Actor):
         masks = MaskJob(self.grammars, [s.matcher for s in constrained]) if constrained else None
         # every new token's embedding in one lookup (one host->device copy of the ids)
         scored = PromptRows.of(scoring) if scoring else None
-        logits = self.adapter.forward_paged(self.adapter.embed(ids, images), segments, self.kv,
+        embeds, lm_kwargs = self.adapter.step_inputs(ids, images)
+        logits = self.adapter.forward_paged(embeds, segments, self.kv,
                                             torch.cat(positions, dim=1) if self.adapter.mrope else None,
-                                            extra_rows=scored.rows if scored else None)
+                                            extra_rows=scored.rows if scored else None, lm_kwargs=lm_kwargs)
         allowed = masks.allowed(logits.device) if masks is not None else None
         grammar_rows = {id(s): g for g, s in enumerate(constrained)}
         tokens, host = self._sample(logits, [(r, plan[i].seq) for r, i in wanted], allowed, grammar_rows,

@@ -266,9 +266,17 @@ class Adapter(ABC):
             embeds[0, pos : pos + rows.shape[0]] = rows.to(embeds.dtype)
         return embeds
 
+    def step_inputs(self, input_ids: Sequence[int], pieces: Sequence[tuple[int, torch.Tensor]] = ()) -> tuple[torch.Tensor, dict]:
+        """What one step's language-model forward takes for these new tokens: `inputs_embeds`
+        [1, T, H] (`embed`) and the family's extra keyword arguments for the language model (e.g.
+        Qwen3-VL's DeepStack features at the image positions); `pieces` as `embed` takes them, rows
+        of the encoder's outputs (an encoder output may carry more than the input embedding)."""
+        return self.embed(input_ids, pieces), {}
+
     @torch.inference_mode()
     def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena,
-                      positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None,
+                      lm_kwargs: dict | None = None) -> torch.Tensor:
         """One ragged step over a paged KV arena (mmserve.models.paged): `inputs_embeds`
         [1, T, H] is the concatenation of every segment's new tokens (a decode token of each
         running sequence, prefill chunks of waiting ones); their KV is written into the arena at
@@ -299,7 +307,7 @@ class Adapter(ABC):
             raise ValueError(f"positions {tuple(positions.shape)} are not [3, {batch.tokens}]")
         position_ids = batch.position_ids if positions is None else positions.to(self.device).unsqueeze(1)
         out = twin(inputs_embeds=inputs_embeds.to(self.device, self.dtype), position_ids=position_ids,
-                   use_cache=False, **{paged.KWARG: batch})
+                   use_cache=False, **(lm_kwargs or {}), **{paged.KWARG: batch})
         rows = batch.last_index if extra_rows is None else torch.cat([batch.last_index, extra_rows.to(self.device)])
         last = out.last_hidden_state[0].index_select(0, rows)
         return self.model.lm_head(last).float()
