@@ -31,7 +31,8 @@ import triton  # noqa: E402  (in the dev extra: these tests run, they never skip
 from mmserve.attention import (AttentionBackendUnavailable, ModelFeatures, PagedMetadata, SdpaBackend,  # noqa: E402
                                UnsupportedAttentionFeature, select, write_kv)
 from mmserve.attention import triton_paged  # noqa: E402
-from mmserve.models.paged import KVArena, PagedBatch, Segment, paged_attention_forward  # noqa: E402
+from mmserve.models.paged import KVArena, PagedBatch, Segment  # noqa: E402
+from mmserve.models.paged_forward import KWARG, STEP_MASK, paged_attention_forward  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5),
        # bf16 output: 1 ulp is 2^-8 relative (2^-7 in the interpreter, which truncates fp32 -> bf16)
@@ -251,7 +252,7 @@ def test_the_kernels_compile_for_an_h100(tmp_path):
 
 
 def test_sdpa_backend_is_todays_paged_attention_and_plain_attention():
-    """The reference computes what `models.paged.paged_attention_forward` (the serving path today)
+    """The reference computes what `models.paged_forward.paged_attention_forward` (the CPU's serving path)
     computes, and what dense causal attention over each sequence's own keys gives."""
     rng = random.Random(13)
     specs = [(37, 1), (5, 1), (0, 21), (50, 9)]
@@ -264,8 +265,8 @@ def test_sdpa_backend_is_todays_paged_attention_and_plain_attention():
     new_v = vflat[slots].transpose(0, 1).unsqueeze(0)
     module = type("Layer", (torch.nn.Module,), {})()
     module.layer_idx = 0
-    today, _ = paged_attention_forward(module, step.query.cpu().transpose(0, 1).unsqueeze(0), new_k, new_v, None,
-                                       scaling=1 / 4, mmserve_paged=PagedBatch(arena, step.segments))
+    today, _ = paged_attention_forward(module, step.query.cpu().transpose(0, 1).unsqueeze(0), new_k, new_v, STEP_MASK,
+                                       scaling=1 / 4, **{KWARG: PagedBatch(arena, step.segments)})
     torch.testing.assert_close(ours.cpu(), today[0], atol=1e-6, rtol=1e-6)
     offset = 0
     for seg in step.segments:  # dense: explicit softmax over keys [0, start + i] of query i

@@ -183,6 +183,12 @@ class Adapter(ABC):
     def encode_images(self, items) -> list[torch.Tensor]:
         """The vision tower and projector over pixel items: one [num_image_tokens, hidden] each."""
 
+    @property
+    def encoder_width(self) -> int | None:
+        """The width of an image's encoder-output rows (what the shared tier expects of a stored
+        one): the language model's hidden size, unless the family's rows carry more (Qwen3-VL)."""
+        return getattr(self.text_config, "hidden_size", None)
+
     def image_key(self, image) -> bytes | None:
         """The image's content key (mm_hash) under this model, or None when it has none."""
         return image_identity(self.model_sig, self.processor_digest, image, algorithm=self.hash_algorithm)
@@ -277,40 +283,22 @@ class Adapter(ABC):
     def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena,
                       positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None,
                       lm_kwargs: dict | None = None) -> torch.Tensor:
-        """One ragged step over a paged KV arena (mmserve.models.paged): `inputs_embeds`
-        [1, T, H] is the concatenation of every segment's new tokens (a decode token of each
-        running sequence, prefill chunks of waiting ones); their KV is written into the arena at
-        their block-table slots. `positions` [3, T] gives M-RoPE positions (default: each token's
-        index). Returns float logits [len(segments), vocab] of each segment's last token, then
-        those of the new tokens `extra_rows` indexes (in T), if any (a prompt's own logprobs).
+        """One ragged step over a paged KV arena through the CPU's SDPA path (`models.paged`), for
+        tests and tools (serving steps go through `generation.runner.ModelRunner`):
+        `inputs_embeds` [1, T, H] concatenates every segment's new tokens; `positions` [3, T] gives
+        M-RoPE positions. Returns float logits [len(segments), vocab] of each segment's last token,
+        then those of the new tokens `extra_rows` indexes (in T), if any."""
+        from mmserve.models import paged, paged_forward
 
-        The paged attention is selected for this call only: it runs a twin of the language
-        model that shares every parameter and buffer (no weights copied) but has its own config
-        whose attention implementation is "mmserve_paged". The model's own config is never
-        switched, so other threads' calls keep their attention meanwhile."""
-        from mmserve.models import paged
-
-        twin = getattr(self, "_paged_lm", None)
-        if twin is None:
-            import copy
-
-            lm = self.model.model.language_model
-            shared = {id(t): t for t in (*lm.parameters(), *lm.buffers())}
-            twin = copy.deepcopy(lm, shared)  # the memo makes the copy reuse every tensor
-            twin.config._attn_implementation = paged.ATTN_IMPLEMENTATION
-            self._paged_lm = twin
         batch = paged.PagedBatch(arena, segments)
         if inputs_embeds.shape[:2] != (1, batch.tokens):
             raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
                              f"{batch.tokens} new tokens as [1, T, hidden]")
-        if positions is not None and tuple(positions.shape) != (3, batch.tokens):
-            raise ValueError(f"positions {tuple(positions.shape)} are not [3, {batch.tokens}]")
-        position_ids = batch.position_ids if positions is None else positions.to(self.device).unsqueeze(1)
-        out = twin(inputs_embeds=inputs_embeds.to(self.device, self.dtype), position_ids=position_ids,
-                   use_cache=False, **(lm_kwargs or {}), **{paged.KWARG: batch})
+        paged_forward.use_paged_attention(self)
         rows = batch.last_index if extra_rows is None else torch.cat([batch.last_index, extra_rows.to(self.device)])
-        last = out.last_hidden_state[0].index_select(0, rows)
-        return self.model.lm_head(last).float()
+        return paged_forward.forward_step(self, inputs_embeds.to(self.device, self.dtype),
+                                          paged_forward.step_positions(batch.position_ids, positions, self.device),
+                                          batch, rows, lm_kwargs)
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -1,4 +1,4 @@
-"""Paged KV: one arena of fixed-size blocks per model, and an attention function that reads it.
+"""Paged KV: one arena of fixed-size blocks per model, and the SDPA step that reads and writes it.
 
 The arena holds, per layer, keys and values in blocks of `block_size` token slots. A sequence is a
 block table (block ids in order; token `p` lives in slot `p % block_size` of block
@@ -8,15 +8,10 @@ bookkept elsewhere; this module holds only the tensors and the step that reads a
 
 One step runs the language model once over a ragged batch: the new tokens of every `Segment` (a
 decode token of each running sequence, a prefill chunk of each waiting one) concatenated into
-`inputs_embeds` [1, T, hidden], with each token's absolute position in `position_ids`. The model
-classes stay transformers' own: the attention function registered here as ``"mmserve_paged"`` is
-selected through the config's attention implementation, and the step's metadata (`PagedBatch`)
-travels to it through the model's ``**kwargs`` (``LlamaModel.forward`` -> ``LlamaDecoderLayer`` ->
-``LlamaAttention.forward`` -> ``attention_interface(..., **kwargs)``). No mask function is
-registered under that name, so `create_causal_mask` returns None (an implementation missing from
-`AttentionMaskInterface` means "no mask needed") and no T x T mask is ever built.
+`inputs_embeds` [1, T, hidden], with each token's absolute position in `position_ids`
+(`models.paged_forward` runs it; `PagedBatch` is the step of the CPU's SDPA path).
 
-Per layer the function scatters the step's new K/V into their slots (one `index_copy_`), then
+Per layer `PagedBatch.attend` scatters the step's new K/V into their slots (one `index_copy_`), then
 reads each sequence's KV [0, start+length). A sequence whose blocks are consecutive ids (what the
 block allocation aims for: `cache.free_blocks`) is read in place, as a view of the arena; any
 other is gathered into contiguous tensors first. Each prefill segment is one
@@ -40,13 +35,6 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-
-ATTN_IMPLEMENTATION = "mmserve_paged"
-"""The name the paged attention function is registered under (`AttentionInterface`)."""
-
-KWARG = "mmserve_paged"
-"""The model-forward keyword that carries the step's `PagedBatch` down to the attention function."""
 
 
 class KVArena:
@@ -258,6 +246,50 @@ class PagedBatch:
             self.decode_rows = (ends[rows] - 1).to(device)
             self.decode_mask = None if bool(real.all()) else real[:, None, None, :].to(device)
 
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """Layer `layer`'s attention for this step (the module docstring): the step's new K/V
+        (key/value [1, kv_heads, T, d], rotary applied) written into their slots, then every
+        segment's queries (query [1, heads, T, d]) against its keys -> [1, T, heads, d]."""
+        if query.shape[0] != 1 or query.shape[2] != self.tokens:
+            raise ValueError(f"paged attention takes one flattened batch of {self.tokens} tokens, "
+                             f"got query {tuple(query.shape)}")
+        heads, head_dim = query.shape[1], query.shape[3]
+        kv_heads = key.shape[1]
+        group = heads // kv_heads
+        kbuf, vbuf = self.arena.flat(layer)
+        # write the step's K/V into their slots: [T, kv_heads, d]
+        kbuf.index_copy_(0, self.write_slots, key[0].transpose(0, 1).to(kbuf.dtype))
+        vbuf.index_copy_(0, self.write_slots, value[0].transpose(0, 1).to(vbuf.dtype))
+        q_all = query[0]  # [heads, T, d]
+        out = query.new_empty(self.tokens, heads, head_dim)
+        for offset, length, slots, mask in self.prefill:
+            # 4-D operands: CPU SDPA takes its fused (flash) kernel only for them; 3-D ones fall back
+            # to the math path, ~5x slower for a 300-token chunk
+            k = _keys(kbuf, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
+            v = _keys(vbuf, slots).transpose(0, 1).unsqueeze(0)
+            q = query[:, :, offset : offset + length]  # [1, heads, length, d]
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
+                                               scale=scaling, enable_gqa=group > 1)
+            out[offset : offset + length] = o[0].transpose(0, 1)
+        if self.decode_rows is not None:
+            rows, slots = self.decode_rows, self.decode_slots
+            d, n = (1, slots.stop - slots.start) if isinstance(slots, slice) else slots.shape
+            flat = slots if isinstance(slots, slice) else slots.view(-1)
+            k = _keys(kbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
+            v = _keys(vbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
+            q = q_all.index_select(1, rows).transpose(0, 1).reshape(d, kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=self.decode_mask,
+                                               scale=scaling)
+            out[rows] = o.reshape(d, heads, head_dim)
+        for row, run in self.decode_views:
+            # the sequence's keys read in place: [n, kv_heads, d] -> [1, kv_heads, n, d], no copy
+            k, v = kbuf[run].transpose(0, 1).unsqueeze(0), vbuf[run].transpose(0, 1).unsqueeze(0)
+            q = q_all[:, row].reshape(1, kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scaling)
+            out[row] = o.reshape(heads, head_dim)
+        return out.unsqueeze(0)
+
 
 def _run(table: tuple[int, ...], blocks: int, block_size: int, end: int) -> slice | None:
     """Slots [0, end) of a sequence as one slice of the flat arena when its first `blocks` blocks
@@ -279,58 +311,3 @@ def _as_range(slots: torch.Tensor) -> slice | None:
 
 def _keys(buf: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
     return buf[slots] if isinstance(slots, slice) else buf.index_select(0, slots)
-
-
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    """transformers attention function over the arena (see the module docstring).
-
-    query [1, heads, T, d], key/value [1, kv_heads, T, d] (the step's new tokens, rotary applied);
-    returns ([1, T, heads, d] contiguous, None) like transformers' sdpa attention."""
-    batch: PagedBatch | None = kwargs.get(KWARG)
-    if batch is None:
-        raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention needs {KWARG}=PagedBatch(...) in the forward")
-    if query.shape[0] != 1 or query.shape[2] != batch.tokens:
-        raise ValueError(f"paged attention takes one flattened batch of {batch.tokens} tokens, "
-                         f"got query {tuple(query.shape)}")
-    if attention_mask is not None:  # the segments define the masking; a mask here would be ignored
-        raise ValueError(f"the {ATTN_IMPLEMENTATION!r} attention takes no attention_mask")
-    heads, head_dim = query.shape[1], query.shape[3]
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    kbuf, vbuf = batch.arena.flat(module.layer_idx)
-    # write the step's K/V into their slots: [T, kv_heads, d]
-    kbuf.index_copy_(0, batch.write_slots, key[0].transpose(0, 1).to(kbuf.dtype))
-    vbuf.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vbuf.dtype))
-    q_all = query[0]  # [heads, T, d]
-    out = query.new_empty(batch.tokens, heads, head_dim)
-    for offset, length, slots, mask in batch.prefill:
-        # 4-D operands: CPU SDPA takes its fused (flash) kernel only for them; 3-D ones fall back
-        # to the math path, ~5x slower for a 300-token chunk
-        k = _keys(kbuf, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
-        v = _keys(vbuf, slots).transpose(0, 1).unsqueeze(0)
-        q = query[:, :, offset : offset + length]  # [1, heads, length, d]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
-                                           scale=scaling, enable_gqa=group > 1)
-        out[offset : offset + length] = o[0].transpose(0, 1)
-    if batch.decode_rows is not None:
-        rows, slots = batch.decode_rows, batch.decode_slots
-        d, n = (1, slots.stop - slots.start) if isinstance(slots, slice) else slots.shape
-        flat = slots if isinstance(slots, slice) else slots.view(-1)
-        k = _keys(kbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
-        v = _keys(vbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
-        q = q_all.index_select(1, rows).transpose(0, 1).reshape(d, kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.decode_mask,
-                                           scale=scaling)
-        out[rows] = o.reshape(d, heads, head_dim)
-    for row, run in batch.decode_views:
-        # the sequence's keys read in place: [n, kv_heads, d] -> [1, kv_heads, n, d], no copy
-        k, v = kbuf[run].transpose(0, 1).unsqueeze(0), vbuf[run].transpose(0, 1).unsqueeze(0)
-        q = q_all[:, row].reshape(1, kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scaling)
-        out[row] = o.reshape(heads, head_dim)
-    return out.unsqueeze(0), None
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

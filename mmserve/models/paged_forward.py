@@ -1,0 +1,109 @@
+"""The language model's forward over the paged KV arena, with transformers' own model classes.
+
+The attention function registered here as ``"mmserve_paged"`` becomes the language model's
+attention implementation (`use_paged_attention`, once per loaded model: no twin of the model, no
+copied config). A paged step passes two things down the model's forward: the step itself in
+``kwargs[KWARG]`` (anything with ``attend(layer, query, key, value, scaling)``: the CPU's
+`paged.PagedBatch`, or a `BackendStep` over an `attention` backend), and `STEP_MASK` as its
+``attention_mask``. `STEP_MASK` is a 4-D tensor, which transformers' mask helpers return as they
+find it ("already prepared"): no T x T mask is built, and nothing in the mask code reads the
+step's positions (its packed-sequence detection would cost a host sync a step). The segments
+define the masking; the attention function knows the mask is the step's by identity.
+
+Any other call of the model — HF's own `generate`, the references the tests and the bench compare
+against — gets transformers' SDPA attention and SDPA masks, unchanged: the registered function
+hands every call without `STEP_MASK` to `sdpa_attention_forward`, and `sdpa_mask` is registered
+as its mask function.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from mmserve.attention import AttentionBackend, PagedMetadata, write_kv
+
+ATTN_IMPLEMENTATION = "mmserve_paged"
+"""The name the paged attention function is registered under (`AttentionInterface`)."""
+
+KWARG = "mmserve_paged"
+"""The model-forward keyword that carries the step down to the attention function."""
+
+STEP_MASK = torch.empty(0, 0, 0, 0, dtype=torch.bool)
+"""The `attention_mask` of a paged step (see the module docstring); never read as a mask."""
+
+
+class Step(Protocol):
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """query [1, heads, T, d], key/value [1, kv_heads, T, d] (rotary applied) -> [1, T, heads, d]."""
+
+
+class BackendStep:
+    """A step through an attention backend: per layer, the new K/V written at `meta.slot_mapping`
+    (one `index_copy_` each), then `backend.forward` over the arena. Every tensor it reads is one
+    of `meta`'s or the arena's, so a step whose `meta` lives in static buffers is capturable."""
+
+    def __init__(self, arena, backend: AttentionBackend, meta: PagedMetadata):
+        self.arena, self.backend, self.meta = arena, backend, meta
+
+    def attend(self, layer, query, key, value, scaling):
+        kc, vc = self.arena.keys[layer], self.arena.values[layer]
+        write_kv(kc, vc, key[0].transpose(0, 1), value[0].transpose(0, 1), self.meta.slot_mapping)
+        q = query[0].transpose(0, 1)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        return self.backend.forward(q, kc, vc, self.meta, scale=scaling).unsqueeze(0)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """transformers attention function: a paged step's attention (`STEP_MASK` and the step in
+    ``kwargs[KWARG]``), or transformers' SDPA attention for any other call."""
+    if attention_mask is not STEP_MASK:
+        kwargs.pop(KWARG, None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    step: Step | None = kwargs.get(KWARG)
+    if step is None:
+        raise RuntimeError(f"a paged step needs {KWARG}=<its step> in the forward's keyword arguments")
+    return step.attend(module.layer_idx, query, key, value, scaling), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def language_model(adapter) -> torch.nn.Module:
+    """The adapter's decoder stack (without its vision tower and head)."""
+    return adapter.model.model.language_model
+
+
+def use_paged_attention(adapter) -> None:
+    """Makes the paged attention the adapter's language model's implementation (see the module
+    docstring: calls that are not paged steps keep transformers' SDPA)."""
+    config = language_model(adapter).config
+    if config._attn_implementation != ATTN_IMPLEMENTATION:
+        config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def forward_step(adapter, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, step: Step,
+                 rows: torch.Tensor, lm_kwargs: dict | None = None) -> torch.Tensor:
+    """The language model over one paged step: `inputs_embeds` [1, T, H], `position_ids` [1, T] (or
+    [R, 1, T] for M-RoPE) -> float logits of the new tokens `rows` indexes [len(rows), vocab].
+    `use_paged_attention(adapter)` first."""
+    out = language_model(adapter)(inputs_embeds=inputs_embeds, position_ids=position_ids,
+                                  attention_mask=STEP_MASK, use_cache=False, **(lm_kwargs or {}), **{KWARG: step})
+    return adapter.model.lm_head(out.last_hidden_state[0].index_select(0, rows)).float()
+
+
+def step_positions(position_ids: torch.Tensor, positions: torch.Tensor | None, device) -> torch.Tensor:
+    """The forward's position ids: `positions` [R, T] (M-RoPE rows) as [R, 1, T], else the step's
+    own [1, T]."""
+    return position_ids if positions is None else positions.to(device).unsqueeze(1)
+
