@@ -56,7 +56,8 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
                ("keep_alive_timeout_s", 0), ("keep_alive_timeout_s", INF)],
     "runtime": [("device", "gpu"), ("device", "cuda:"), ("device", "cuda:x"), ("device", "CPU"), ("device", 0),
                 ("dtype", "fp16"), ("torch_threads", -1), ("torch_threads", 1.5), ("max_loaded_models", -1),
-                ("load_timeout_s", 0), ("load_timeout_s", "600")],
+                ("load_timeout_s", 0), ("load_timeout_s", "600"), ("attention_backend", "flash"),
+                ("attention_backend", "Triton"), ("cuda_graphs", "yes"), ("cuda_graphs", 1)],
     "limits": [("max_messages", 0), ("max_images_per_request", -1), ("max_image_bytes", 0),
                ("max_image_pixels", 0), ("max_image_aspect_ratio", 0.5), ("max_json_depth", 1),
                ("max_json_depth", 1001), ("image_formats", []), ("image_formats", ["png"]),
@@ -134,6 +135,7 @@ def test_message_format():
                  "load_timeout_s": 0.5}},
     {"runtime": {"device": "mps", "dtype": "float16"}},
     {"runtime": {"device": "cuda"}},
+    {"runtime": {"attention_backend": "triton", "cuda_graphs": False}},
     {"limits": {"max_images_per_request": 0, "max_stop_sequences": 0, "max_image_aspect_ratio": 1,
                 "max_json_depth": 2, "image_formats": ["GIF", "BMP", "TIFF", "PNG", "JPEG", "WEBP"],
                 "max_tokens": 8, "default_max_tokens": 8, "request_timeout_s": 0.3}},
@@ -238,3 +240,10 @@ def test_the_old_prefix_cache_section_still_works_with_a_deprecation_warning(tmp
         assert Config().replace(prefix_cache={"block_size": 32}).kv_cache.block_size == 32
     with pytest.raises(ValueError, match="unknown key"):
         config_from_dict({"prefix_cache": {"slots": 3}})
+
+
+def test_attention_backend_choices_are_the_attention_packages():
+    from mmserve.attention import NAMES
+    from mmserve.config.checks import ATTENTION_BACKENDS
+
+    assert ATTENTION_BACKENDS == NAMES

@@ -85,7 +85,7 @@ async def test_concurrent_requests_interleave(rt):
 
 async def test_generator_crash_fails_in_flight_and_restarts(rt, monkeypatch):
     gen = generator(rt)
-    real = gen.adapter.forward_paged
+    real = gen.runner.forward
     calls = {"n": 0}
 
     def flaky(*a, **kw):
@@ -94,7 +94,7 @@ async def test_generator_crash_fails_in_flight_and_restarts(rt, monkeypatch):
             raise RuntimeError("injected forward failure")
         return real(*a, **kw)
 
-    monkeypatch.setattr(gen.adapter, "forward_paged", flaky)
+    monkeypatch.setattr(gen.runner, "forward", flaky)
     with pytest.raises(ServiceUnavailable, match="injected forward failure"):
         await rt.chat_completion(colour_question("red"), **LONG)
     await wait_until(lambda: rt.health().ok)

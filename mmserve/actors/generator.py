@@ -2,7 +2,7 @@
 
 It receives prepared sequences — the cached prefix already at the start of their block tables,
 encoder outputs for the images the prefix does not cover. Each step is ONE forward over the
-arena's block tables (`Adapter.forward_paged`): a decode token of every running sequence and
+arena's block tables (`generation.runner.ModelRunner`, which owns the arena): a decode token of every running sequence and
 prefill chunks of waiting ones, packed to `max_batched_tokens` (`generation.scheduler`); the
 blocks those tokens need are asked of the cache manager in one message per step; when a decode
 token finds no block, the newest sequence is preempted (its blocks released, recomputed later).
@@ -37,27 +37,28 @@ from mmserve.generation.sampling import make_generator
 from mmserve.generation.step_sampling import Sampled, sample_rows_and
 from mmserve.generation.scheduler import Planned, plan_step
 from mmserve.models.adapter import Adapter
-from mmserve.models.paged import KVArena, Segment
+from mmserve.generation.runner import ModelRunner, StepInputs
+from mmserve.models.paged import Segment
 
 
 class Generator(BlockGrants, Answers, Actor):
     name = "generator"
 
-    def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, kv: KVArena,
+    def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
                  kv_config: KVCacheConfig = KVCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
                  metrics=None):
         super().__init__(model=adapter.name)
         self.adapter = adapter
         self.cache_manager = cache_manager
-        self.kv = kv
+        self.runner = runner
+        self.kv = runner.kv  # the runner's arena (read here for its size and epoch; written only by the runner)
         self.block_size = kv_config.block_size
         self.caching = kv_config.prefix_caching
         self.config = config
         self.metrics = metrics
         self.seqs: list[Sequence] = []  # every live sequence, oldest first
         # a sequence longer than the arena could never run again after a preemption: it ends there
-        self.max_positions = min(int(getattr(adapter.text_config, "max_position_embeddings", 0) or 1 << 30),
-                                 kv.num_blocks * self.block_size)
+        self.max_positions = runner.max_positions
         self._image_token = torch.tensor([adapter.image_token_id])
         self._eos = torch.tensor(sorted(adapter.eos_token_ids), dtype=torch.long)
         self._orders = itertools.count()
@@ -253,7 +254,7 @@ class Generator(BlockGrants, Answers, Actor):
         if incarnation == self._incarnation:  # not abandoned: no block was released under it
             for c in copies:  # before any forward writes: the copy source may be written from now on
                 if c.child.state in LIVE and c.target in c.child.table:
-                    self.kv.copy_block(c.source, c.target)
+                    self.runner.copy_block(c.source, c.target)
         results: list = [None] * len(plan)
         rows, ids, images, segments, positions, scoring = [], [], [], [], [], []
         for i, p in enumerate(plan):
@@ -290,10 +291,9 @@ class Generator(BlockGrants, Answers, Actor):
         masks = MaskJob(self.grammars, [s.matcher for s in constrained]) if constrained else None
         # every new token's embedding in one lookup (one host->device copy of the ids)
         scored = PromptRows.of(scoring) if scoring else None
-        embeds, lm_kwargs = self.adapter.step_inputs(ids, images)
-        logits = self.adapter.forward_paged(embeds, segments, self.kv,
-                                            torch.cat(positions, dim=1) if self.adapter.mrope else None,
-                                            extra_rows=scored.rows if scored else None, lm_kwargs=lm_kwargs)
+        logits = self.runner.forward(StepInputs(tuple(ids), tuple(segments), tuple(images),
+                                                torch.cat(positions, dim=1) if self.adapter.mrope else None,
+                                                scored.rows if scored else None))
         allowed = masks.allowed(logits.device) if masks is not None else None
         grammar_rows = {id(s): g for g, s in enumerate(constrained)}
         tokens, host = self._sample(logits, [(r, plan[i].seq) for r, i in wanted], allowed, grammar_rows,

@@ -22,7 +22,6 @@ takes back exactly what that answer gave.
 
 from __future__ import annotations
 
-import torch
 import trio
 
 from mmserve.actors import compute
@@ -299,7 +298,7 @@ class PrefixCacheManager(Actor):
         tier, kv = self.shared, self.kv
         if tier is None or kv is None or not tier.active():
             return False
-        shape = (2, kv.layers, kv.block_size, kv.kv_heads, kv.head_dim)
+        shape = kv.block_shape
         self.remote[msg.request_id] = (msg, local, waited_since)
         tier.inbox_send.send_nowait(FetchBlocks(msg.request_id, msg.hashes[local:], kv.dtype, shape,
                                                 self.epoch, self.inbox_send))
@@ -350,10 +349,8 @@ class PrefixCacheManager(Actor):
         kv = self.kv
         if kv is None or not self.shared.active():
             return
-        ids = torch.tensor([table[i] for i, _ in new], device=kv.device)
         with single_threaded():
-            data = torch.stack([torch.stack([t.index_select(0, ids) for t in kv.keys]),
-                                torch.stack([t.index_select(0, ids) for t in kv.values])])  # [2, L, n, ...]
+            data = kv.read_blocks([table[i] for i, _ in new])  # [2, L, n, ...]
         for j, (_, h) in enumerate(new):
             self.shared.put_soon(KIND_KV_BLOCK, block_key(h), data[:, :, j])
 

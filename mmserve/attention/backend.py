@@ -105,13 +105,13 @@ class PagedMetadata:
     num_decodes: int
     max_query_len: int
     block_size: int
-    starts: tuple[int, ...]      # host copies, for backends that loop per sequence
-    lengths: tuple[int, ...]
+    starts: tuple[int, ...]      # host copies, for backends that loop per sequence (empty for a
+    lengths: tuple[int, ...]     # static decode step, whose values live only on the device)
     tables: tuple[tuple[int, ...], ...]
 
     @property
     def num_seqs(self) -> int:
-        return len(self.starts)
+        return len(self.lengths)
 
     @property
     def num_tokens(self) -> int:
@@ -165,6 +165,10 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     supports: ClassVar[frozenset[str]]
+    capturable: ClassVar[bool] = False
+    """Whether a decode step's launch reads only tensors and shapes, never host copies of the
+    step's values (`PagedMetadata.starts`/`tables`): it can then run from static buffers, as a
+    CUDA graph."""
     """The `FEATURES` this backend implements ("mrope_positions" always: positions are applied
     before attention)."""
 

@@ -330,6 +330,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports = frozenset({"gqa", "mrope_positions"})
+    capturable = True
 
     def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:

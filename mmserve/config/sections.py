@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.config.checks import (
-    BUILTIN_PREFIX, DEMO_CHECKPOINTS, DEVICE, DTYPES, HASH_ALGORITHMS, IMAGE_FORMATS, LOG_FORMATS, LOG_LEVELS,
-    TOOL_PARSERS, check_bool, check_choice, check_int, check_number, check_str, check_strings, fail)
+    ATTENTION_BACKENDS, BUILTIN_PREFIX, DEMO_CHECKPOINTS, DEVICE, DTYPES, HASH_ALGORITHMS, IMAGE_FORMATS, LOG_FORMATS,
+    LOG_LEVELS, TOOL_PARSERS, check_bool, check_choice, check_int, check_number, check_str, check_strings, fail)
 from mmserve.config.hosts import normalize_host_pattern
 
 
@@ -69,9 +69,13 @@ class RuntimeConfig:
     torch_threads: int = 0
     max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
     load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
+    attention_backend: str = "auto"  # auto | sdpa | triton (auto: triton on CUDA, sdpa on the CPU)
+    cuda_graphs: bool = True  # on CUDA with a capturable backend, decode steps replay captured graphs
 
     def __post_init__(self) -> None:
         w = "[runtime]"
+        check_choice(w, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_bool(w, "cuda_graphs", self.cuda_graphs)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
         check_choice(w, "dtype", self.dtype, DTYPES)

@@ -49,7 +49,7 @@ class KVArena:
     tiny model (2 kv heads x 16 dims, f32) took 16 us token-major against 38 us head-major.
     """
 
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], spare_blocks: int = 0):
         if len(keys) != len(values) or not keys:
             raise ValueError("an arena needs the same number (>= 1) of key and value tensors")
         shape = keys[0].shape
@@ -58,6 +58,12 @@ class KVArena:
         self.keys = list(keys)
         self.values = list(values)
         self.num_blocks, self.block_size, self.kv_heads, self.head_dim = (int(s) for s in shape)
+        if not 0 <= spare_blocks < self.num_blocks:
+            raise ValueError(f"an arena of {self.num_blocks} blocks cannot keep {spare_blocks} spare")
+        # the last `spare_blocks` blocks are never handed out: padded rows of a static decode step
+        # write their (ignored) K/V into the first slot of them
+        self.num_blocks -= spare_blocks
+        self.scratch_slot = self.num_blocks * self.block_size if spare_blocks else None
         self.dtype = keys[0].dtype
         self.device = keys[0].device
         # the cache manager's life whose block tables may write here (None: not tracked); a step of
@@ -66,23 +72,25 @@ class KVArena:
 
     @classmethod
     def allocate(cls, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KVArena":
-        """An arena of uninitialised blocks (`torch.empty`): a block's content is defined once a
-        step has written its slots."""
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 spare_blocks: int = 0) -> "KVArena":
+        """An arena of `num_blocks` uninitialised blocks (`torch.empty`) to hand out, plus
+        `spare_blocks` never handed out: a block's content is defined once a step wrote its slots."""
         if min(layers, num_blocks, block_size, kv_heads, head_dim) < 1:
             raise ValueError("every arena dimension must be >= 1")
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        shape = (num_blocks + spare_blocks, block_size, kv_heads, head_dim)
         keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        return cls(keys, values)
+        return cls(keys, values, spare_blocks)
 
     @classmethod
-    def for_model(cls, adapter, budget_bytes: int, block_size: int) -> "KVArena":
-        """The arena of `adapter`'s language model that fits `budget_bytes` (at least one block)."""
+    def for_model(cls, adapter, budget_bytes: int, block_size: int, spare_blocks: int = 0) -> "KVArena":
+        """The arena of `adapter`'s language model that fits `budget_bytes` (at least one block to
+        hand out, and `spare_blocks` more)."""
         elem = torch.empty((), dtype=adapter.dtype).element_size()
         block_bytes = 2 * adapter.kv_layers * block_size * adapter.kv_heads * adapter.head_dim * elem
-        return cls.allocate(adapter.kv_layers, max(1, budget_bytes // block_bytes), block_size, adapter.kv_heads,
-                            adapter.head_dim, adapter.dtype, adapter.device)
+        return cls.allocate(adapter.kv_layers, max(1, budget_bytes // block_bytes - spare_blocks), block_size,
+                            adapter.kv_heads, adapter.head_dim, adapter.dtype, adapter.device, spare_blocks)
 
     @property
     def layers(self) -> int:
@@ -96,11 +104,11 @@ class KVArena:
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes over all layers, keys and values."""
-        return self.nbytes // self.num_blocks
+        return self.nbytes // self.keys[0].shape[0]
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values as [num_blocks * block_size, kv_heads, head_dim] views."""
-        n = self.num_blocks * self.block_size
+        n = self.keys[layer].shape[0] * self.block_size
         return (self.keys[layer].view(n, self.kv_heads, self.head_dim),
                 self.values[layer].view(n, self.kv_heads, self.head_dim))
 
@@ -118,6 +126,13 @@ class KVArena:
             for layer in range(self.layers):
                 self.keys[layer][block].copy_(t[0, layer])
                 self.values[layer][block].copy_(t[1, layer])
+
+    def read_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
+        """Whole blocks, copied out: [2, layers, len(blocks), block_size, kv_heads, head_dim] (keys,
+        values), as `write_blocks` takes them back one block at a time (a shared-tier export)."""
+        ids = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack([t.index_select(0, ids) for t in self.keys]),
+                            torch.stack([t.index_select(0, ids) for t in self.values])])
 
     def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's first `length` tokens of KV in layer `layer`, [kv_heads, length, head_dim]

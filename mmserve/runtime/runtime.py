@@ -31,7 +31,7 @@ from mmserve.inputs.completions import parse_completion_requests
 from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
-from mmserve.models.paged import KVArena
+from mmserve.generation.runner import ModelRunner
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
@@ -139,12 +139,13 @@ class Runtime:
         return [h for h in self._live if h.active]
 
     def _build_actors(self, adapter) -> dict:
-        """One model's actors around its KV arena: the tensors go to the generator, the
-        bookkeeping of the same blocks to the cache manager."""
-        kv = self.config.kv_cache
-        arena = KVArena.for_model(adapter, kv.budget_bytes, kv.block_size)
-        manager = PrefixCacheManager(adapter.name, kv, arena.num_blocks)
-        generator = Generator(adapter, manager.inbox_send, arena, kv, self.config.generator, self.metrics)
+        """One model's actors around its KV arena: the tensors go to the generator's model runner,
+        the bookkeeping of the same blocks to the cache manager."""
+        kv, rt, gen = self.config.kv_cache, self.config.runtime, self.config.generator
+        runner = ModelRunner(adapter, kv.budget_bytes, kv.block_size, rt.attention_backend,
+                             max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs)
+        manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
+        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics)
         manager.generator = generator.inbox_send
         encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
         return {"prefix_cache": manager, "encoder": encoder, "generator": generator}

@@ -1,0 +1,136 @@
+"""The static decode step: its input buffers, its body, and on CUDA its graphs, one per bucket.
+
+A decode step of B sequences (one new token each, no image rows) runs in the smallest bucket
+(1, 2, 4, 8, ... up to the runner's `max_batch`) that holds B. Every tensor the step reads lives
+in `DecodeBuffers`, allocated once: token ids, positions (M-RoPE's rows too), the slot each new
+K/V goes to, block tables, sequence lengths. A step writes its values into rows [0, B) of
+them and pads rows [B, bucket) (sequence length 0: the kernels read nothing for it; its K/V goes to
+the arena's spare scratch slot), so a replay of the same bucket reads the same addresses with
+other values — what a CUDA graph needs. `DecodeGraphs.run` replays the bucket's graph (captured on
+first use) on CUDA, and runs the body eagerly elsewhere (the CPU, where tests prove the body
+capturable: no host synchronisation, no input outside these buffers, the model and the arena).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from mmserve.attention import PagedMetadata
+
+
+def buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes a decode step is padded to: powers of two, then `max_batch` itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes) + (max_batch,)
+
+
+def bucket_of(n: int, sizes: Sequence[int]) -> int:
+    """The smallest bucket holding `n` sequences."""
+    for b in sizes:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} sequences exceed the largest decode bucket ({sizes[-1]})")
+
+
+class DecodeBuffers:
+    """The static inputs of a decode step, `max_batch` rows each, on the model's device."""
+
+    def __init__(self, max_batch: int, max_blocks: int, rope_rows: int, block_size: int, scratch_slot: int,
+                 device: torch.device):
+        self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
+        self.scratch_slot, self.device = scratch_slot, device
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rope_rows, max_batch, dtype=torch.long, device=device)
+        self.slots = torch.full((max_batch,), scratch_slot, dtype=torch.long, device=device)
+        self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # host staging (pinned on CUDA): the copies in are asynchronous, and the step's one
+        # transfer back (its sampled tokens) orders them before the next fill rewrites these
+        pin = device.type == "cuda"
+        self._host_ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self._host_positions = torch.zeros(rope_rows, max_batch, dtype=torch.long, pin_memory=pin)
+        self._host_slots = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self._host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._host_seq_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer (tests check that steps read only these, at fixed addresses)."""
+        return self.ids, self.positions, self.slots, self.tables, self.seq_lens, self.cu_seqlens
+
+    def fill(self, ids: Sequence[int], tables: Sequence[Sequence[int]], starts: Sequence[int],
+             positions: np.ndarray | None, bucket: int) -> None:
+        """Rows [0, len(ids)) get sequence i's token `ids[i]` at position `starts[i]` (M-RoPE:
+        `positions[:, i]`) with block table `tables[i]`; rows up to `bucket` are padding."""
+        n, bs = len(ids), self.block_size
+        if n > bucket or bucket > self.max_batch:
+            raise ValueError(f"{n} sequences in a bucket of {bucket} (max {self.max_batch})")
+        widest = max(len(t) for t in tables)
+        if widest > self.max_blocks:
+            raise ValueError(f"a block table of {widest} blocks exceeds the static width {self.max_blocks}")
+        host_ids, host_pos = self._host_ids.numpy(), self._host_positions.numpy()
+        host_slots, host_tables, host_lens = (self._host_slots.numpy(), self._host_tables.numpy(),
+                                              self._host_seq_lens.numpy())
+        host_ids[:bucket] = 0
+        host_ids[:n] = ids
+        start = np.asarray(starts, dtype=np.int64)
+        host_pos[:, :bucket] = 0
+        host_pos[:, :n] = start if positions is None else positions
+        host_tables[:bucket] = 0
+        for i, t in enumerate(tables):
+            host_tables[i, :len(t)] = t
+        host_slots[:bucket] = self.scratch_slot
+        host_slots[:n] = host_tables[np.arange(n), start // bs].astype(np.int64) * bs + start % bs
+        host_lens[:bucket] = 0
+        host_lens[:n] = start + 1
+        for buf, host in ((self.ids, self._host_ids), (self.slots, self._host_slots),
+                          (self.tables, self._host_tables), (self.seq_lens, self._host_seq_lens)):
+            buf[:bucket].copy_(host[:bucket], non_blocking=True)  # rows
+        self.positions[:, :bucket].copy_(self._host_positions[:, :bucket], non_blocking=True)
+
+    def metadata(self, bucket: int) -> PagedMetadata:
+        """The step's metadata as views of the buffers (host fields: only the bucket's shape)."""
+        return PagedMetadata(block_tables=self.tables[:bucket], seq_lens=self.seq_lens[:bucket],
+                             cu_seqlens_q=self.cu_seqlens[:bucket + 1], slot_mapping=self.slots[:bucket],
+                             num_decodes=bucket, max_query_len=0, block_size=self.block_size,
+                             starts=(), lengths=(1,) * bucket, tables=())
+
+
+class DecodeGraphs:
+    """Runs `body(bucket)` (the decode step over the buffers' first `bucket` rows, returning its
+    logits); on CUDA as a graph per bucket, captured on first use and replayed after."""
+
+    def __init__(self, body: Callable[[int], torch.Tensor], device: torch.device, capture: bool):
+        self.body, self.device = body, device
+        self.capture = capture and device.type == "cuda"
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self._pool = None
+
+    def run(self, bucket: int) -> torch.Tensor:
+        if not self.capture:
+            return self.body(bucket)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out
+
+    def _capture(self, bucket: int):
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up: lazy initialisation and autotuning stay out of the graph
+            for _ in range(2):
+                self.body(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.body(bucket)
+        return graph, out
