@@ -227,3 +227,33 @@ def test_cuda_graph_replay_matches_eager(adapter):
         convs.advance(which, got)
         ref.advance(which, got)
     assert set(runner.graphs.graphs) == {2, 4}
+
+
+async def test_runtime_serves_through_the_triton_backend_as_through_sdpa(three_model_config):
+    """End to end through the generator: the demo models (LLaVA and Qwen2-VL's M-RoPE) answer the
+    same greedy tokens with `attention_backend = "triton"` (prefill kernel with images; decode from
+    the static buffers) as with "sdpa", for concurrent requests that share a prefix."""
+    import trio
+
+    from mmserve import Runtime
+    from tests.helpers import colour_question
+
+    config = three_model_config.replace(models=tuple(m for m in three_model_config.models if m.name != "demo-wide"))
+    answers = {}
+    for backend in ("sdpa", "triton"):
+        got = {}
+        async with Runtime.open(config.replace(runtime={"attention_backend": backend})) as rt:
+            async def ask(model, colour):
+                c = await rt.chat_completion(colour_question(colour), model=model, max_tokens=6, temperature=0,
+                                             ignore_eos=True)
+                got[model, colour] = c.choices[0].text
+            async with trio.open_nursery() as n:
+                for model in ("demo", "demo-qwen"):
+                    for colour in ("red", "blue", "green"):
+                        n.start_soon(ask, model, colour)
+            runner = rt.registry.require("demo").generator.runner
+            assert runner.backend.name == backend
+            if backend == "triton":
+                assert runner.static_steps > 0
+        answers[backend] = got
+    assert answers["triton"] == answers["sdpa"] and all(answers["sdpa"].values())
