@@ -210,6 +210,23 @@ def test_steps_with_prefill_or_images_run_eagerly(adapter):
     assert runner.static_steps == before
 
 
+def test_padding_rows_write_only_the_spare_block(adapter):
+    """What a capture at load runs on — every row padding — reads nothing and writes only the
+    spare scratch block: the blocks the manager hands out are untouched."""
+    runner = runner_for(adapter, "triton")
+    Conversations(runner, [9, 14], seed=6)
+    before = [t.clone() for t in (*runner.kv.keys, *runner.kv.values)]
+    for bucket in runner.buckets:
+        runner.buffers.clear(bucket)
+        with torch.inference_mode():
+            logits = runner.graphs.run(bucket)
+        assert torch.isfinite(logits).all()
+    usable = runner.kv.num_blocks
+    for old, new in zip(before, (*runner.kv.keys, *runner.kv.values)):
+        assert torch.equal(old[:usable], new[:usable])
+    assert runner.capture() == (len(runner.buckets) if DEVICE == "cuda" else 0)
+
+
 def test_sdpa_backend_has_no_static_path(adapter):
     runner = runner_for(adapter, "sdpa")
     assert runner.buffers is None and runner.graphs is None and runner.kv.scratch_slot is None

@@ -89,6 +89,18 @@ class DecodeBuffers:
         host_slots[:n] = host_tables[np.arange(n), start // bs].astype(np.int64) * bs + start % bs
         host_lens[:bucket] = 0
         host_lens[:n] = start + 1
+        self._copy_in(bucket)
+
+    def clear(self, bucket: int) -> None:
+        """Rows [0, bucket) become padding (what a capture at load runs on)."""
+        self._host_ids[:bucket] = 0
+        self._host_positions[:, :bucket] = 0
+        self._host_slots[:bucket] = self.scratch_slot
+        self._host_tables[:bucket] = 0
+        self._host_seq_lens[:bucket] = 0
+        self._copy_in(bucket)
+
+    def _copy_in(self, bucket: int) -> None:
         for buf, host in ((self.ids, self._host_ids), (self.slots, self._host_slots),
                           (self.tables, self._host_tables), (self.seq_lens, self._host_seq_lens)):
             buf[:bucket].copy_(host[:bucket], non_blocking=True)  # rows
@@ -120,6 +132,17 @@ class DecodeGraphs:
         graph, out = self.graphs[bucket]
         graph.replay()
         return out
+
+    def capture_all(self, buckets: Sequence[int], clear: Callable[[int], None]) -> int:
+        """Captures every bucket not captured yet (on padding-only buffers, `clear`), largest first
+        so the smaller ones reuse its memory pool; the number captured (0 off CUDA)."""
+        if not self.capture:
+            return 0
+        todo = [b for b in sorted(buckets, reverse=True) if b not in self.graphs]
+        for b in todo:
+            clear(b)
+            self.graphs[b] = self._capture(b)
+        return len(todo)
 
     def _capture(self, bucket: int):
         stream = torch.cuda.Stream(self.device)

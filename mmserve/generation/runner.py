@@ -82,6 +82,14 @@ class ModelRunner:
         self.static_steps = 0  # decode steps that ran from the static buffers
         self.eager_steps = 0
 
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Captures the decode graph of every bucket now (CUDA with graphs on; else nothing), so
+        no request pays for a capture: the generator calls it on the compute thread as it starts."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.capture_all(self.buckets, self.buffers.clear)
+
     # -- the arena -----------------------------------------------------------------------------
 
     @property

@@ -11,6 +11,7 @@ from typing import AsyncIterator
 import torch
 import trio
 
+from mmserve.actors import compute
 from mmserve.actors.base import Actor
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
@@ -129,6 +130,8 @@ class ModelRegistry:
                 raise TimeoutError(f"the load took longer than load_timeout_s = {rc.load_timeout_s} s")
             actors = attach_shared_tier(self.build_actors(adapter), adapter, self.config.shared_cache)
             model = LoadedModel(mc, adapter, actors)
+            # decode graphs captured before the first request (CUDA only; nothing elsewhere)
+            captured = await compute.run(actors["generator"].runner.capture, owner=f"registry[{mc.name}]")
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
             if (tier := model.actors.get("shared_tier")) is not None:
@@ -137,7 +140,7 @@ class ModelRegistry:
             self._failed.discard(mc.name)
             self._warn_if_unbounded(adapter)
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
-                          load_s=round(time.monotonic() - t0, 3))
+                          load_s=round(time.monotonic() - t0, 3), decode_graphs=captured)
         except CheckpointError as e:  # its message says it all: no traceback to log
             self._failed.add(mc.name)
             self.log.error("registry.load_failed", model=mc.name, path=str(mc.resolved_path()), error=e.message)
