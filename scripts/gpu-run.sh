@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine (see ../shared/gpu/README.md): everything lands under $OUT.
-#   run with carry [".gpu"]:   bash scripts/gpu-run.sh tests     # the suite on CUDA (~3 min)
+#   run with carry [".gpu"]:   bash scripts/gpu-run.sh           # = all: the engine's CUDA tests, then the bench (<= 9 min)
+#                              bash scripts/gpu-run.sh tests     # the suite on CUDA (~3 min)
 #                              bash scripts/gpu-run.sh bench     # mmserve bench --params gpu (~6 min)
 #                              bash scripts/gpu-run.sh smoke     # a 4-token llava-7b bench: the machinery only
 # Try it here first with OUT=/tmp/out DEVICE=cpu (the tests part runs on the CPU then).
 set -uo pipefail
 OUT=${OUT:?set OUT (the device tool sets it)}
-what=${1:-bench}
+what=${1:-all}
 [ -f .gpu/env.sh ] && source .gpu/env.sh
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -17,6 +18,14 @@ case "$what" in
     MMSERVE_TEST_DEVICE=$DEVICE timeout 540 $PY -m pytest -m "not slow" tests -q -p no:cacheprovider \
       --maxfail=40 > "$OUT/pytest-$DEVICE.txt" 2>&1
     tail -30 "$OUT/pytest-$DEVICE.txt" ;;
+  all)
+    # the engine's CUDA paths first (kernels compiled, decode graphs captured and replayed, the runtime
+    # through them), then the bench: a failure of the first still leaves the figures of the second
+    MMSERVE_TEST_DEVICE=$DEVICE timeout 150 $PY -m pytest tests/test_runner_capture.py tests/test_triton_attention.py \
+      tests/test_paged_attention.py tests/test_runtime.py -q -p no:cacheprovider > "$OUT/pytest-engine-$DEVICE.txt" 2>&1
+    tail -15 "$OUT/pytest-engine-$DEVICE.txt"
+    timeout 380 $PY -m mmserve.cli bench --params gpu --device "$DEVICE" --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+    tail -5 "$OUT/bench.log"; cat "$OUT/bench/report.md" 2>/dev/null | head -60 ;;
   bench)
     timeout 570 $PY -m mmserve.cli bench --params gpu --device "$DEVICE" --out "$OUT/bench" > "$OUT/bench.log" 2>&1
     tail -5 "$OUT/bench.log"; cat "$OUT/bench/report.md" 2>/dev/null | head -60 ;;
@@ -24,5 +33,5 @@ case "$what" in
     timeout 300 $PY -m mmserve.cli bench --params test --preset llava-7b --device "$DEVICE" --dtype bfloat16 \
       --scenarios decode,concurrency --out "$OUT/smoke" > "$OUT/smoke.log" 2>&1
     tail -20 "$OUT/smoke.log" ;;
-  *) echo "usage: scripts/gpu-run.sh tests|bench|smoke" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu-run.sh [all|tests|bench|smoke]" >&2; exit 2 ;;
 esac
