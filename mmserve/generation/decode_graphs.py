@@ -154,6 +154,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work meanwhile (a shared-tier export reads blocks on the
+        # event loop's thread) is not an error in this capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.body(bucket)
         return graph, out
