@@ -214,12 +214,12 @@ def compile_for_h100() -> dict[str, int]:
         kernels = [(triton_paged._decode_split_kernel, dict(common, NUM_SPLITS=8, GROUP_PAD=16))]
         if dtype == "bf16":
             kernels += [(triton_paged._decode_reduce_kernel, dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=80, D_PAD=128)),
-                        (triton_paged._prefill_kernel, dict(common, BLOCK_Q=9, BLOCK_M=64))]
+                        (triton_paged._prefill_kernel, dict(common, BLOCK_Q=9, BLOCK_M=64, HAS_ENDS=True))]
         for kernel, constexprs in kernels:
             types = {"q_ptr": ptr(dtype), "k_ptr": ptr(dtype), "v_ptr": ptr(dtype), "out_ptr": ptr(dtype),
                      "tables_ptr": ptr("i32"), "seq_lens_ptr": ptr("i32"), "cu_q_ptr": ptr("i32"),
                      "part_o_ptr": ptr("fp32"), "part_ml_ptr": ptr("fp32"), "scale_log2": "fp32",
-                     "split_tokens": i32, "first_seq": i32, **strides}
+                     "split_tokens": i32, "first_seq": i32, "window": i32, "q_ends_ptr": ptr("i32"), **strides}
             signature = {a: "constexpr" if a in constexprs else types[a] for a in kernel.arg_names}
             options = backend.parse_options({"num_warps": 4, "num_stages": 3})
             compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
@@ -319,17 +319,15 @@ def test_check_refuses_a_feature_the_backend_lacks():
 
     triton_backend = select("triton", DEVICE)
     for backend in (SdpaBackend(), triton_backend):
-        backend.check(ModelFeatures(gqa=True, mrope_positions=True))
+        backend.check(ModelFeatures(gqa=True, mrope_positions=True, sliding_window=True, bidirectional_spans=True))
         with pytest.raises(UnsupportedAttentionFeature, match=f"'{backend.name}' attention backend does not "
-                                                              "support sliding_window, softcap"):
+                                                              "support softcap"):
             backend.check(ModelFeatures(gqa=True, sliding_window=True, softcap=True))
-        with pytest.raises(UnsupportedAttentionFeature, match="bidirectional_spans"):
-            backend.check(ModelFeatures(bidirectional_spans=True))
     llama = LlamaConfig(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
     assert ModelFeatures.from_config(llama).needed == ("gqa",)
     gemma2 = Gemma2Config(num_attention_heads=4, num_key_value_heads=4, hidden_size=64, head_dim=16)
     assert ModelFeatures.from_config(gemma2).needed == ("sliding_window", "softcap")
-    with pytest.raises(UnsupportedAttentionFeature, match="sliding_window, softcap"):
+    with pytest.raises(UnsupportedAttentionFeature, match="does not support softcap"):
         triton_backend.check(ModelFeatures.from_config(gemma2))
 
 

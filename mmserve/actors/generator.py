@@ -256,7 +256,7 @@ class Generator(BlockGrants, Answers, Actor):
                 if c.child.state in LIVE and c.target in c.child.table:
                     self.runner.copy_block(c.source, c.target)
         results: list = [None] * len(plan)
-        rows, ids, images, segments, positions, scoring = [], [], [], [], [], []
+        rows, ids, images, segments, positions, scoring, spans = [], [], [], [], [], [], []
         for i, p in enumerate(plan):
             if p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch:
                 # its table belongs to a dead life of the cache manager, which may have given those
@@ -279,6 +279,7 @@ class Generator(BlockGrants, Answers, Actor):
                 scoring.append((p.seq, len(ids), start, end))
             ids += p.seq.ids[start:end]
             segments.append(Segment(tuple(p.seq.table), start, p.tokens))
+            spans.append(p.seq.bidirectional)
             positions.append(rope)
             rows.append(i)
         if not rows:
@@ -293,7 +294,8 @@ class Generator(BlockGrants, Answers, Actor):
         scored = PromptRows.of(scoring) if scoring else None
         logits = self.runner.forward(StepInputs(tuple(ids), tuple(segments), tuple(images),
                                                 torch.cat(positions, dim=1) if self.adapter.mrope else None,
-                                                scored.rows if scored else None))
+                                                scored.rows if scored else None,
+                                                tuple(spans) if any(spans) else None))
         allowed = masks.allowed(logits.device) if masks is not None else None
         grammar_rows = {id(s): g for g, s in enumerate(constrained)}
         tokens, host = self._sample(logits, [(r, plan[i].seq) for r, i in wanted], allowed, grammar_rows,

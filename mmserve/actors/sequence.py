@@ -97,6 +97,12 @@ class Sequence:
         return self.handle.request.sampling
 
     @property
+    def bidirectional(self) -> tuple[tuple[int, int], ...]:
+        """The prompt's bidirectional spans (`PromptInputs.bidirectional`): the scheduler never
+        splits one across prefill chunks, and each step masks them."""
+        return self.job.prompt.bidirectional
+
+    @property
     def prompt_len(self) -> int:
         return len(self.job.prompt.input_ids)
 

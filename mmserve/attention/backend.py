@@ -10,6 +10,12 @@ backend serves M-RoPE models; what a backend must implement itself — GQA, a sl
 bidirectional spans (e.g. image tokens that see each other), logit soft-capping — it declares in
 `supports`, and `check` refuses a model that needs anything else, naming it.
 
+Masks are explicit: a layer's sliding window is an argument of `forward` (the token at position p
+sees keys k with p - k < window; keys before the window are not read), bidirectional spans are
+part of the step (`PagedMetadata.spans`, and per new token the end of the keys it sees,
+`q_ends`: past its own position inside a span). A token's keys are therefore one interval
+[p - window + 1, key_end): transformers' Gemma 3 mask AND(window, OR(causal, same image)).
+
 Backends: `sdpa` (here) — per sequence, its keys read in place when its blocks are consecutive
 ids or gathered otherwise, then `torch.nn.functional.scaled_dot_product_attention` with the
 causal diagonal offset by the cached length: the attention `models/paged.py` computes today
@@ -108,6 +114,10 @@ class PagedMetadata:
     starts: tuple[int, ...]      # host copies, for backends that loop per sequence (empty for a
     lengths: tuple[int, ...]     # static decode step, whose values live only on the device)
     tables: tuple[tuple[int, ...], ...]
+    q_ends: torch.Tensor | None = None  # int32 [T]: each new token's keys end (exclusive) here, past
+    # its own position inside a bidirectional span (`key_ends`); None: every token is causal
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()  # host: per sequence, its bidirectional
+    # spans [lo, hi) that hold new tokens (empty: none)
 
     @property
     def num_seqs(self) -> int:
@@ -119,10 +129,12 @@ class PagedMetadata:
 
     @classmethod
     def build(cls, segments: Sequence, block_size: int, device: torch.device | str = "cpu",
-              max_blocks: int | None = None) -> "PagedMetadata":
+              max_blocks: int | None = None, spans: Sequence[Sequence[tuple[int, int]]] | None = None
+              ) -> "PagedMetadata":
         """From segments (anything with `block_table`, `start`, `length`: `models.paged.Segment`).
         `max_blocks` pads the table tensor to a fixed width (a static buffer's); default: the
-        longest table the step uses."""
+        longest table the step uses. `spans`: per segment, the sequence's bidirectional spans
+        ([lo, hi) absolute positions whose tokens see each other: `key_ends`), or None."""
         if not segments:
             raise ValueError("a paged step needs at least one segment")
         starts = tuple(int(s.start) for s in segments)
@@ -144,12 +156,44 @@ class PagedMetadata:
         decodes = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
         prefill = lengths[decodes:]
         as_tensor = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(device)  # noqa: E731
+        own = [step_spans(sp, st, n) for sp, st, n in zip(spans or [()] * len(lengths), starts, lengths)]
+        q_ends = None
+        if any(own):
+            q_ends = as_tensor(np.concatenate([key_ends(st, n, sp) for st, n, sp in zip(starts, lengths, own)]),
+                               torch.int32)
         return cls(block_tables=torch.from_numpy(padded).to(device),
                    seq_lens=as_tensor([st + n for st, n in zip(starts, lengths)], torch.int32),
                    cu_seqlens_q=as_tensor(np.concatenate([[0], np.cumsum(lengths)]), torch.int32),
                    slot_mapping=torch.from_numpy(slots).to(device),
                    num_decodes=decodes, max_query_len=max(prefill, default=0), block_size=block_size,
-                   starts=starts, lengths=lengths, tables=tables)
+                   starts=starts, lengths=lengths, tables=tables, q_ends=q_ends,
+                   spans=tuple(own) if any(own) else ())
+
+
+def step_spans(spans: Sequence[tuple[int, int]], start: int, length: int) -> tuple[tuple[int, int], ...]:
+    """The bidirectional spans [lo, hi) among `spans` that hold any of the new tokens [start,
+    start+length). A span that starts among them must end among them: its later tokens' keys must
+    be in the step (a chunk that ends inside a span is refused, never computed causally)."""
+    end = start + length
+    out = tuple((int(lo), int(hi)) for lo, hi in spans if lo < end and hi > start and hi - lo > 1)
+    for lo, hi in out:
+        if hi > end:
+            raise ValueError(f"a step ends at position {end}, inside the bidirectional span [{lo}, {hi}): "
+                             "its tokens must be computed together (the scheduler never splits one)")
+    return out
+
+
+def key_ends(start: int, length: int, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """[length] int64: the (exclusive) end of the keys each new token at positions [start,
+    start+length) sees — its position + 1, or the end of the bidirectional span holding it (its
+    later tokens too: image tokens see each other both ways). With a sliding window of W its keys
+    also start at position - W + 1 (transformers' sliding mask: AND(window, OR(causal, span)))."""
+    ends = np.arange(start + 1, start + length + 1, dtype=np.int64)
+    for lo, hi in spans:
+        a, b = max(lo, start), min(hi, start + length)
+        if a < b:
+            ends[a - start:b - start] = np.maximum(ends[a - start:b - start], hi)
+    return ends
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -183,11 +227,23 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: PagedMetadata, scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                meta: PagedMetadata, scale: float | None = None, out: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
         """query [T, heads, head_dim] (the step's new tokens, positions applied), the layer's
         key/value arena tensors [num_blocks, block_size, kv_heads, head_dim] holding every key the
         step reads (its own included) -> [T, heads, head_dim] in query's dtype (written into `out`
-        when given). `scale` defaults to 1/sqrt(head_dim)."""
+        when given). `scale` defaults to 1/sqrt(head_dim). The masks are explicit: `window` (the
+        layer's sliding window: the token at p sees keys k with p - k < window, and no key before
+        is read) and `meta.q_ends` / `meta.spans` (bidirectional spans); a backend that does not
+        implement one must raise when given it (`refuse`), never ignore it."""
+
+    def refuse(self, meta: PagedMetadata, window: int | None) -> None:
+        """Raises UnsupportedAttentionFeature when a step asks for a mask this backend lacks."""
+        asked = (["sliding_window"] if window else []) + (["bidirectional_spans"] if meta.spans else [])
+        missing = [f for f in asked if f not in self.supports]
+        if missing:
+            raise UnsupportedAttentionFeature(f"the {self.name!r} attention backend was given a step with "
+                                              f"{', '.join(missing)}, which it does not implement")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -199,10 +255,10 @@ class SdpaBackend(AttentionBackend):
     by its cached length. GQA through SDPA's `enable_gqa` (KV never repeated per head)."""
 
     name = "sdpa"
-    supports = frozenset({"gqa", "mrope_positions"})
+    supports = frozenset({"gqa", "mrope_positions", "sliding_window", "bidirectional_spans"})
 
     def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         heads, head_dim = query.shape[1], query.shape[2]
         bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
         kbuf = key_cache.view(-1, kv_heads, head_dim)
@@ -210,21 +266,40 @@ class SdpaBackend(AttentionBackend):
         out = torch.empty_like(query) if out is None else out
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         offset = 0
-        for table, start, length in zip(meta.tables, meta.starts, meta.lengths):
+        spans = meta.spans or ((),) * meta.num_seqs
+        for table, start, length, own in zip(meta.tables, meta.starts, meta.lengths, spans):
             end = start + length
+            lo = max(0, start - window + 1) if window else 0  # keys before lo: outside every query's window
             if table == tuple(range(table[0], table[0] + len(table))):
-                slots = slice(table[0] * bs, table[0] * bs + end)  # consecutive blocks: a view
+                slots = slice(table[0] * bs + lo, table[0] * bs + end)  # consecutive blocks: a view
             else:
-                pos = torch.arange(end)
+                pos = torch.arange(lo, end)
                 slots = (torch.tensor(table)[pos // bs] * bs + pos % bs).to(kbuf.device)
-            k = kbuf[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, kv_heads, end, d]
+            k = kbuf[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, kv_heads, end - lo, d]
             v = vbuf[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
             q = query[offset:offset + length].transpose(0, 1).unsqueeze(0)  # [1, heads, length, d]
-            mask = None  # from position 0 SDPA's is_causal is the mask; one token sees every key
-            if start and length > 1:  # query i sees keys [0, start + i]
-                mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)).to(q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0 and length > 1,
+            mask = step_mask(start, length, lo, own, window, q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and length > 1,
                                                scale=scale, enable_gqa=heads != kv_heads)
             out[offset:offset + length] = o[0].transpose(0, 1)
             offset += length
         return out
+
+
+def step_mask(start: int, length: int, lo: int, spans: Sequence[tuple[int, int]], window: int | None,
+              device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The bool mask [length, end - lo] of new tokens [start, end) over keys [lo, end): key k is
+    seen by the token at p when k < `key_ends` (p + 1, or its bidirectional span's end) and, with a
+    sliding window, p - k < window. None when SDPA's own masks say the same: a lone token seeing
+    every key from lo, or a causal chunk from position 0 (is_causal)."""
+    end = start + length
+    if length == 1 and not spans:
+        return None  # keys [lo, start] are exactly its window
+    if not spans and start == 0 and lo == 0 and not (window and window < length):
+        return None
+    q = torch.arange(start, end).unsqueeze(1)
+    k = torch.arange(lo, end).unsqueeze(0)
+    mask = k < torch.from_numpy(key_ends(start, length, spans)).unsqueeze(1)
+    if window:
+        mask &= q - k < window
+    return mask.to(device)

@@ -12,7 +12,9 @@ block-table tensor; neither gathers KV into a copy nor pads anything:
   contexts long.
 - **prefill**: a chunk of n new tokens per sequence against its whole table (the cached length
   plus the chunk), causal with the diagonal offset by the cached length: query i of the chunk
-  sees keys [0, cached + i]. A program handles one (sequence, tile of query tokens, KV head); its
+  sees keys [0, cached + i] — or, with the step's explicit masks, [p - window + 1, q_end) for the
+  token at p: a sliding window (keys before the tile's window are not read) and bidirectional
+  spans (`q_ends`: a token inside an image sees the image's later tokens too). A program handles one (sequence, tile of query tokens, KV head); its
   rows are the tile's tokens times the group's query heads, so K/V are again loaded once per group.
 
 Keys are addressed per token: block `table[p // block_size]`, slot `p % block_size`, so any block
@@ -51,7 +53,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_o_ptr, part_ml_ptr,
-    scale_log2, split_tokens,
+    scale_log2, split_tokens, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -67,6 +69,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = split * split_tokens
     hi = tl.minimum(lo + split_tokens, seq_len)
+    # a sliding window: keys before seq_len - window are not read (a split may be left empty)
+    lo = tl.where(window > 0, tl.maximum(lo, seq_len - window), lo)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -134,15 +138,15 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, cu_q_ptr,
-    first_seq, scale_log2,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, cu_q_ptr, q_ends_ptr,
+    first_seq, scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_tb,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_ENDS: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     tile = tl.program_id(1)
@@ -156,7 +160,15 @@ def _prefill_kernel(
         tok = tile * BLOCK_Q + r // GROUP
         head = kvh * GROUP + r % GROUP
         row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
-        q_pos = cached + tok  # absolute position: sees keys [0, q_pos]
+        q_pos = cached + tok  # absolute position: sees keys [q_lo, q_end)
+        if HAS_ENDS:  # bidirectional spans: a token inside one sees its later tokens too
+            q_end = tl.load(q_ends_ptr + q_start + tok, mask=row_ok, other=0)
+            hi = tl.max(q_end, 0)
+        else:
+            q_end = q_pos + 1
+            hi = cached + tl.minimum((tile + 1) * BLOCK_Q, q_len)  # keys past the tile's last query: none
+        q_lo = q_pos - window + 1  # window 0: every key from 0
+        lo = tl.where(window > 0, tl.maximum(cached + tile * BLOCK_Q - window + 1, 0), 0)
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         q_row = (q_start + tok).to(tl.int64)
@@ -168,8 +180,7 @@ def _prefill_kernel(
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         table = tables_ptr + seq.to(tl.int64) * stride_tb
-        hi = cached + tl.minimum((tile + 1) * BLOCK_Q, q_len)  # keys past the tile's last query: none
-        for n0 in range(0, hi, BLOCK_N):
+        for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < hi
             block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -183,10 +194,12 @@ def _prefill_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-            s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))  # finite from the first tile on: key 0 is always seen
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            seen = n_ok[None, :] & (n[None, :] < q_end[:, None]) & ((n[None, :] >= q_lo[:, None]) | (window <= 0))
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row none of whose keys came yet
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(s - m_use[:, None])
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
@@ -251,10 +264,11 @@ def default_splits(max_tokens: int, min_split: int = 256, max_splits: int = 16) 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, block_n: int | None = None, window: int | None = None) -> torch.Tensor:
     """One new token per sequence: query [B, heads, d] (its keys already written into the arena),
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys per sequence, the new one
-    included) -> out [B, heads, d]. A sequence with seq_lens 0 (a padded row) gets zeros.
+    included) -> out [B, heads, d]. A sequence with seq_lens 0 (a padded row) gets zeros. `window`:
+    the layer's sliding window (keys [seq_len - window, seq_len) only; the others are not read).
 
     The number of KV splits follows from the table tensor's width (`default_splits`), never from
     the lengths' values: the launch needs no host sync and is capturable."""
@@ -276,7 +290,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, kv_heads, splits)](
         query, key_cache, value_cache, block_tables, seq_lens, part_o, part_ml,
-        scale * LOG2E, split_tokens,
+        scale * LOG2E, split_tokens, int(window or 0),
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -292,14 +306,18 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   max_query_len: int, scale: float, out: torch.Tensor | None = None, first_seq: int = 0,
-                  num_seqs: int | None = None, block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                  num_seqs: int | None = None, block_m: int | None = None, block_n: int | None = None,
+                  q_ends: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Chunks of new tokens against their tables: query [T, heads, d] packed (sequence i's rows are
     [cu_seqlens_q[i], cu_seqlens_q[i+1])), seq_lens [S] int32 (cached + new tokens), block_tables
     [S, max_blocks] int32 -> out [T, heads, d] (only the rows of sequences first_seq ..
     first_seq + num_seqs - 1 are written). `max_query_len` bounds every chunk's length (a host
-    integer: the plan's, or a static cap)."""
+    integer: the plan's, or a static cap). `q_ends` [T] int32: each token's keys end there
+    (bidirectional spans; default: its position + 1); `window`: the layer's sliding window."""
     heads, kv_heads, group = _check(query, key_cache, value_cache)
     _check_int32(block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q)
+    if q_ends is not None:
+        _check_int32(q_ends=q_ends)
     head_dim, block_size = query.shape[2], key_cache.shape[1]
     out = torch.empty_like(query) if out is None else out
     if out.shape != query.shape or out.stride(2) != 1:
@@ -314,13 +332,13 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     grid = (num_seqs, -(-max_query_len // block_q), kv_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, out, block_tables, seq_lens, cu_seqlens_q,
-        first_seq, scale * LOG2E,
+        q_ends if q_ends is not None else cu_seqlens_q, first_seq, scale * LOG2E, int(window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim, MIN_DOT),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, **_dot_args(query.dtype))
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_ENDS=q_ends is not None, **_dot_args(query.dtype))
     return out
 
 
@@ -329,18 +347,18 @@ class TritonBackend(AttentionBackend):
     the split-KV kernel, every other sequence through the prefill kernel."""
 
     name = "triton"
-    supports = frozenset({"gqa", "mrope_positions"})
+    supports = frozenset({"gqa", "mrope_positions", "sliding_window", "bidirectional_spans"})
     capturable = True
 
     def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         out = torch.empty_like(query) if out is None else out
         nd = meta.num_decodes
         if nd:
             paged_decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                         out=out[:nd])
+                         out=out[:nd], window=window)
         if meta.num_seqs > nd:
             paged_prefill(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                          meta.max_query_len, scale, out=out, first_seq=nd)
+                          meta.max_query_len, scale, out=out, first_seq=nd, q_ends=meta.q_ends, window=window)
         return out

@@ -41,13 +41,16 @@ class StepInputs:
     """One step's work: `ids` are the new tokens of every segment, concatenated in order;
     `pieces` lay encoder-output rows over placeholders ((offset in ids, rows), `Adapter.embed`);
     `positions` [R, T] are M-RoPE positions (None: a token's position is its index);
-    `extra_rows` index new tokens whose logits are wanted after the segments' last tokens'."""
+    `extra_rows` index new tokens whose logits are wanted after the segments' last tokens';
+    `spans`: per segment, its sequence's bidirectional spans ([lo, hi) positions whose tokens see
+    each other: Gemma 3's images; None or empty: causal), which the step masks explicitly."""
 
     ids: tuple[int, ...]
     segments: tuple[Segment, ...]
     pieces: tuple[tuple[int, torch.Tensor], ...] = ()
     positions: torch.Tensor | None = None
     extra_rows: torch.Tensor | None = None
+    spans: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -141,11 +144,12 @@ class ModelRunner:
     def _eager(self, step: StepInputs) -> torch.Tensor:
         adapter = self.adapter
         embeds, lm_kwargs = adapter.step_inputs(step.ids, step.pieces)
+        spans = step.spans if step.spans and any(step.spans) else None
         if self.backend.name == "sdpa":
-            attention = PagedBatch(self.kv, step.segments)
+            attention = PagedBatch(self.kv, step.segments, spans)
             positions, last = attention.position_ids, attention.last_index
         else:
-            meta = PagedMetadata.build(step.segments, self.block_size, self.device)
+            meta = PagedMetadata.build(step.segments, self.block_size, self.device, spans=spans)
             attention = BackendStep(self.kv, self.backend, meta)
             positions = torch.from_numpy(np.concatenate(
                 [np.arange(s.start, s.end) for s in step.segments])).unsqueeze(0).to(self.device)

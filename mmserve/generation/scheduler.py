@@ -18,6 +18,12 @@ decoding and the sequences waiting longest go first. It plans the tokens and the
 sequence needs for them; the cache manager grants the blocks, and the generator preempts the
 newest sequence when a decode token finds no block. Pure: no torch, no trio; the generator
 applies the plan and marks every planned sequence admitted.
+
+A sequence's bidirectional spans (`bidirectional`: runs of tokens that see each other both ways,
+Gemma 3's images) are never split: a prefill chunk ends before a span or after it. A chunk that
+starts inside one (after a prefix hit that ended there) or at its start takes the rest of it
+whole — past the step's budget only as the step's first prefill chunk (an image larger than the
+budget gets a chunk of its own); otherwise it waits for the next step.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class Schedulable(Protocol):
     @property
     def table_len(self) -> int: ...  # blocks in its block table
 
+    # optional: bidirectional: tuple[tuple[int, int], ...]  (spans [lo, hi) a chunk never splits)
+
 
 @dataclass(frozen=True)
 class Planned:
@@ -61,6 +69,7 @@ def plan_step(decoding: Sequence[Schedulable], prefilling: Sequence[Schedulable]
     while fewer than `max_running` requests are admitted — stopping at the first that cannot be,
     so no younger one overtakes it. Every sequence in the plan is admitted from this step on."""
     plan = [_planned(s, 1, block_size, decode=True) for s in sorted(decoding, key=lambda s: s.order)]
+    decodes = len(plan)
     budget = max_batched_tokens - len(plan)
     running = {s.request_id for s in decoding} | {s.request_id for s in prefilling if s.admitted}
     admitted = [s for s in prefilling if s.admitted or s.request_id in running]
@@ -68,19 +77,48 @@ def plan_step(decoding: Sequence[Schedulable], prefilling: Sequence[Schedulable]
     for seq in sorted(admitted, key=lambda s: s.order):
         if budget <= 0:
             return plan
-        chunk = min(budget, seq.target_len - seq.kv_len)
+        chunk = prefill_chunk(seq, budget, alone=len(plan) == decodes)
         if chunk > 0:
             plan.append(_planned(seq, chunk, block_size, decode=False))
             budget -= chunk
     for seq in sorted(waiting, key=lambda s: s.order):
         if budget <= 0 or (seq.request_id not in running and len(running) >= max_running):
             break  # head of line: nobody younger is admitted before it
-        chunk = min(budget, seq.target_len - seq.kv_len)
+        chunk = prefill_chunk(seq, budget, alone=len(plan) == decodes)
+        if chunk == 0 and seq.target_len > seq.kv_len:
+            break  # its next chunk is a whole image that waits for a step of its own
         if chunk > 0:
             running.add(seq.request_id)
             plan.append(_planned(seq, chunk, block_size, decode=False))
             budget -= chunk
     return plan
+
+
+def prefill_chunk(seq: Schedulable, budget: int, alone: bool) -> int:
+    """The length of `seq`'s next prefill chunk within `budget`, ending outside every bidirectional
+    span (the module docstring); `alone`: no other prefill chunk is in the step yet."""
+    start = seq.kv_len
+    end = start + min(budget, seq.target_len - start)
+    for lo, hi in getattr(seq, "bidirectional", ()):
+        if lo < end < hi:
+            if lo > start:
+                end = lo  # the chunk ends before the span
+            else:  # it starts inside (a hit ended there) or at the span: the rest of it, whole
+                end = hi if alone else start
+            break
+    return max(0, end - start)
+
+
+def fit_chunk(seq: Schedulable, tokens: int) -> int:
+    """`tokens` (a chunk cut short, e.g. to the blocks granted) cut back further so that it ends
+    outside every bidirectional span of `seq`: 0 when it would have to end inside one."""
+    start = seq.kv_len
+    end = start + tokens
+    for lo, hi in getattr(seq, "bidirectional", ()):
+        if lo < end < hi:
+            end = lo if lo > start else start
+            break
+    return max(0, end - start)
 
 
 def _planned(seq: Schedulable, tokens: int, block_size: int, decode: bool) -> Planned:

@@ -53,6 +53,8 @@ class PromptInputs:
     images: tuple = ()  # the decoded images, when pixel_values is left for the encoder to compute
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    bidirectional: tuple[tuple[int, int], ...] = ()  # runs [lo, hi) of tokens that see each other
+    # both ways (Gemma 3's image soft tokens): never split across prefill chunks, masked per step
 
     def pixels(self, adapter: "Adapter", i: int):
         """Image i's pixel item (computed now if `tokenize` left it out)."""
@@ -282,15 +284,16 @@ class Adapter(ABC):
     @torch.inference_mode()
     def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena,
                       positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None,
-                      lm_kwargs: dict | None = None) -> torch.Tensor:
+                      lm_kwargs: dict | None = None, spans=None) -> torch.Tensor:
         """One ragged step over a paged KV arena through the CPU's SDPA path (`models.paged`), for
         tests and tools (serving steps go through `generation.runner.ModelRunner`):
         `inputs_embeds` [1, T, H] concatenates every segment's new tokens; `positions` [3, T] gives
         M-RoPE positions. Returns float logits [len(segments), vocab] of each segment's last token,
-        then those of the new tokens `extra_rows` indexes (in T), if any."""
+        then those of the new tokens `extra_rows` indexes (in T), if any. `spans`: per segment, its
+        sequence's bidirectional spans (`PromptInputs.bidirectional`)."""
         from mmserve.models import paged, paged_forward
 
-        batch = paged.PagedBatch(arena, segments)
+        batch = paged.PagedBatch(arena, segments, spans)
         if inputs_embeds.shape[:2] != (1, batch.tokens):
             raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
                              f"{batch.tokens} new tokens as [1, T, hidden]")

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmserve.attention.backend import step_mask, step_spans
+
 
 class KVArena:
     """Per-layer key and value tensors [num_blocks, block_size, kv_heads, head_dim].
@@ -191,7 +193,8 @@ class PagedBatch:
       decode_mask     [D, 1, 1, n_max] bool, True where a key is real
     """
 
-    def __init__(self, arena: KVArena, segments: Sequence[Segment]):
+    def __init__(self, arena: KVArena, segments: Sequence[Segment],
+                 spans: Sequence[Sequence[tuple[int, int]]] | None = None):
         if not segments:
             raise ValueError("a paged step needs at least one segment")
         bs, device = arena.block_size, arena.device
@@ -209,7 +212,6 @@ class PagedBatch:
         if bool(((tables < 0) | (tables >= arena.num_blocks)).any()):
             bad = tables[(tables < 0) | (tables >= arena.num_blocks)].unique()[:4].tolist()
             raise ValueError(f"block ids {bad} are outside the arena (0..{arena.num_blocks - 1})")
-        starts = torch.tensor([seg.start for seg in self.segments], dtype=torch.long)
         lengths = torch.tensor([seg.length for seg in self.segments], dtype=torch.long)
         ends = lengths.cumsum(0)
         self.tokens = int(ends[-1])
@@ -224,51 +226,82 @@ class PagedBatch:
         self.position_ids = pos.unsqueeze(0).to(device)
         self.write_slots = write_slots.to(device)
         self.last_index = (ends - 1).to(device)
+        # bidirectional spans per segment, those holding its new tokens (a span the step would
+        # split is refused here: `step_spans`)
+        self.spans = tuple(step_spans(sp, seg.start, seg.length) for sp, seg in zip(spans, self.segments)) \
+            if spans is not None else ((),) * len(self.segments)
+        self._tables, self._used, self._ends = tables, used, ends
+        self._layouts: dict[int | None, _Layout] = {None: self._layout(None)}
+        self.slots_read: dict[int, int] = {}  # layer -> key slots its last call read (tests)
 
-        self.prefill = []
+    # the layout of the step without a window, as attributes (tests and tools read them)
+    prefill = property(lambda self: self._layouts[None].prefill)
+    decode_rows = property(lambda self: self._layouts[None].decode_rows)
+    decode_slots = property(lambda self: self._layouts[None].decode_slots)
+    decode_mask = property(lambda self: self._layouts[None].decode_mask)
+    decode_views = property(lambda self: self._layouts[None].decode_views)
+
+    def _layout(self, window: int | None) -> "_Layout":
+        """What each query reads for a layer of sliding window `window` (None: every key): keys
+        before a token's window are not read at all."""
+        bs, device = self.arena.block_size, self.arena.device
+        tables, used = self._tables, self._used
+        lay = _Layout()
         decode = []
-        self.decode_views: list[tuple[int, slice]] = []  # (row in T, the sequence's keys in place)
         views = device.type == "cpu"  # per-sequence calls: cheap on a CPU, a launch each on a GPU
         offset = 0
         for i, seg in enumerate(self.segments):
+            lo = max(0, seg.start - window + 1) if window else 0
             run = _run(seg.block_table, used[i], bs, seg.end)
             if seg.length == 1:
                 if run is not None and views:
-                    self.decode_views.append((offset, run))
+                    lay.decode_views.append((offset, slice(run.start + lo, run.stop)))
+                    lay.reads += seg.end - lo
                 else:
                     decode.append(i)
             else:
-                k = torch.arange(seg.end)
+                k = torch.arange(lo, seg.end)
                 # from position 0 SDPA's own is_causal is the mask; after a prefix the causal
-                # diagonal is offset by `start`: query i sees keys [0, start+i]
-                mask = None if seg.start == 0 else (
-                    k.unsqueeze(0) <= torch.arange(seg.start, seg.end).unsqueeze(1)).to(device)  # [length, end]
-                slots = run if run is not None else (tables[i, k // bs] * bs + k % bs).to(device)
-                self.prefill.append((offset, seg.length, slots, mask))
+                # diagonal is offset by `start`, a window cuts each row's start, a bidirectional
+                # span extends its end (`attention.step_mask`)
+                mask = step_mask(seg.start, seg.length, lo, self.spans[i], window, device)
+                slots = slice(run.start + lo, run.stop) if run is not None else (tables[i, k // bs] * bs + k % bs).to(device)
+                lay.prefill.append((offset, seg.length, slots, mask))
+                lay.reads += seg.end - lo
             offset += seg.length
-        self.decode_rows = self.decode_slots = self.decode_mask = None
         if decode:
             rows = torch.tensor(decode, dtype=torch.long)
-            kv_len = starts[rows] + 1  # keys of a decode token: [0, start] inclusive
+            starts = torch.tensor([self.segments[i].start for i in decode], dtype=torch.long)
+            first = (starts - window + 1).clamp(min=0) if window else torch.zeros_like(starts)
+            kv_len = starts + 1 - first  # keys of a decode token: [first, start] inclusive
             k = torch.arange(int(kv_len.max()))
             real = k.unsqueeze(0) < kv_len.unsqueeze(1)  # [D, n_max]
             # padding repeats the sequence's own new slot: masked keys must still be finite
             # (a never-written slot of a torch.empty arena may hold NaN, and 0 * NaN = NaN)
-            k_pos = torch.where(real, k.unsqueeze(0), (kv_len - 1).unsqueeze(1))
+            k_pos = first.unsqueeze(1) + torch.where(real, k.unsqueeze(0), (kv_len - 1).unsqueeze(1))
             slots = tables[rows].gather(1, k_pos // bs) * bs + k_pos % bs
             # one sequence whose blocks lie in order: a view, no gather
-            self.decode_slots = (len(decode) == 1 and _as_range(slots[0])) or slots.to(device)
-            self.decode_rows = (ends[rows] - 1).to(device)
-            self.decode_mask = None if bool(real.all()) else real[:, None, None, :].to(device)
+            lay.decode_slots = (len(decode) == 1 and _as_range(slots[0])) or slots.to(device)
+            lay.decode_rows = (self._ends[rows] - 1).to(device)
+            lay.decode_mask = None if bool(real.all()) else real[:, None, None, :].to(device)
+            lay.reads += int(kv_len.sum())
+        return lay
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
+               scaling: float | None, window: int | None = None) -> torch.Tensor:
         """Layer `layer`'s attention for this step (the module docstring): the step's new K/V
         (key/value [1, kv_heads, T, d], rotary applied) written into their slots, then every
-        segment's queries (query [1, heads, T, d]) against its keys -> [1, T, heads, d]."""
+        segment's queries (query [1, heads, T, d]) against its keys -> [1, T, heads, d]. `window`:
+        the layer's sliding window (a token at p sees keys k with p - k < window; none before is
+        read); the step's bidirectional spans apply in every layer."""
         if query.shape[0] != 1 or query.shape[2] != self.tokens:
             raise ValueError(f"paged attention takes one flattened batch of {self.tokens} tokens, "
                              f"got query {tuple(query.shape)}")
+        window = int(window) if window else None
+        lay = self._layouts.get(window)
+        if lay is None:
+            lay = self._layouts[window] = self._layout(window)
+        self.slots_read[layer] = lay.reads
         heads, head_dim = query.shape[1], query.shape[3]
         kv_heads = key.shape[1]
         group = heads // kv_heads
@@ -278,7 +311,7 @@ class PagedBatch:
         vbuf.index_copy_(0, self.write_slots, value[0].transpose(0, 1).to(vbuf.dtype))
         q_all = query[0]  # [heads, T, d]
         out = query.new_empty(self.tokens, heads, head_dim)
-        for offset, length, slots, mask in self.prefill:
+        for offset, length, slots, mask in lay.prefill:
             # 4-D operands: CPU SDPA takes its fused (flash) kernel only for them; 3-D ones fall back
             # to the math path, ~5x slower for a 300-token chunk
             k = _keys(kbuf, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
@@ -287,23 +320,33 @@ class PagedBatch:
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
                                                scale=scaling, enable_gqa=group > 1)
             out[offset : offset + length] = o[0].transpose(0, 1)
-        if self.decode_rows is not None:
-            rows, slots = self.decode_rows, self.decode_slots
+        if lay.decode_rows is not None:
+            rows, slots = lay.decode_rows, lay.decode_slots
             d, n = (1, slots.stop - slots.start) if isinstance(slots, slice) else slots.shape
             flat = slots if isinstance(slots, slice) else slots.view(-1)
             k = _keys(kbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
             v = _keys(vbuf, flat).view(d, n, kv_heads, head_dim).transpose(1, 2)
             q = q_all.index_select(1, rows).transpose(0, 1).reshape(d, kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=self.decode_mask,
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=lay.decode_mask,
                                                scale=scaling)
             out[rows] = o.reshape(d, heads, head_dim)
-        for row, run in self.decode_views:
+        for row, run in lay.decode_views:
             # the sequence's keys read in place: [n, kv_heads, d] -> [1, kv_heads, n, d], no copy
             k, v = kbuf[run].transpose(0, 1).unsqueeze(0), vbuf[run].transpose(0, 1).unsqueeze(0)
             q = q_all[:, row].reshape(1, kv_heads, group, head_dim)
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scaling)
             out[row] = o.reshape(heads, head_dim)
         return out.unsqueeze(0)
+
+
+class _Layout:
+    """One window's reads of a step (`PagedBatch._layout`); `reads`: key slots read per layer."""
+
+    def __init__(self):
+        self.prefill: list = []
+        self.decode_rows = self.decode_slots = self.decode_mask = None
+        self.decode_views: list[tuple[int, slice]] = []
+        self.reads = 0
 
 
 def _run(table: tuple[int, ...], blocks: int, block_size: int, end: int) -> slice | None:

@@ -39,8 +39,10 @@ STEP_MASK = torch.empty(0, 0, 0, 0, dtype=torch.bool)
 
 class Step(Protocol):
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None) -> torch.Tensor:
-        """query [1, heads, T, d], key/value [1, kv_heads, T, d] (rotary applied) -> [1, T, heads, d]."""
+               scaling: float | None, window: int | None = None) -> torch.Tensor:
+        """query [1, heads, T, d], key/value [1, kv_heads, T, d] (rotary applied) -> [1, T, heads, d];
+        `window`: the layer's sliding window (None: every key). The step's bidirectional spans
+        are the step's own (built with it)."""
 
 
 class BackendStep:
@@ -51,13 +53,14 @@ class BackendStep:
     def __init__(self, arena, backend: AttentionBackend, meta: PagedMetadata):
         self.arena, self.backend, self.meta = arena, backend, meta
 
-    def attend(self, layer, query, key, value, scaling):
+    def attend(self, layer, query, key, value, scaling, window=None):
+        self.backend.refuse(self.meta, window)  # a mask the backend lacks is an error, never dropped
         kc, vc = self.arena.keys[layer], self.arena.values[layer]
         write_kv(kc, vc, key[0].transpose(0, 1), value[0].transpose(0, 1), self.meta.slot_mapping)
         q = query[0].transpose(0, 1)
         if q.stride(2) != 1:
             q = q.contiguous()
-        return self.backend.forward(q, kc, vc, self.meta, scale=scaling).unsqueeze(0)
+        return self.backend.forward(q, kc, vc, self.meta, scale=scaling, window=window).unsqueeze(0)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -72,7 +75,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     step: Step | None = kwargs.get(KWARG)
     if step is None:
         raise RuntimeError(f"a paged step needs {KWARG}=<its step> in the forward's keyword arguments")
-    return step.attend(module.layer_idx, query, key, value, scaling), None
+    if kwargs.get("softcap") or (dropout and module.training):
+        raise NotImplementedError("paged attention implements no logit soft-capping and no dropout: "
+                                  "a model that asks for them is refused at load")
+    # the layer's own sliding window (transformers passes it per layer: Gemma 3, Mistral, Qwen2)
+    return step.attend(module.layer_idx, query, key, value, scaling, window=kwargs.get("sliding_window")), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

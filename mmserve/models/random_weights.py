@@ -142,9 +142,23 @@ def build_random_model(path, marker: dict, dtype: torch.dtype, device: str | tor
         torch.manual_seed(int(marker["seed"]))
         with torch.device(device):
             model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        draw_zero_initialised(model)
     silence(model, from_ranges(marker["silent_token_ranges"]))
     model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
+
+
+ZERO_INITIALISED = ("mm_input_projection_weight",)
+"""Parameters transformers' init sets to zero (Gemma 3's multimodal projector: a fine-tuning
+start), which in a random model would make every image's embedding zero, and so every image alike."""
+
+
+def draw_zero_initialised(model) -> None:
+    """Draws `ZERO_INITIALISED` parameters from N(0, 0.02) instead (from the current RNG state)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ZERO_INITIALISED:
+                param.normal_(0.0, 0.02)
 
 
 def checkpoint_sig(name: str, path, *, dtype: str, device_type: str) -> int:

@@ -1,0 +1,227 @@
+"""Gemma 3 (`Gemma3ForConditionalGeneration`, issue 31): the tiny-gemma3 preset as `mmserve
+make-model --random-weights` writes it loads with transformers' own classes (no torchvision), its
+prompts are `Gemma3Processor`'s token for token (pan-and-scan too), and mmserve's greedy tokens equal
+`generate`'s in fp32 — through the whole runtime, caches on, first time and on cache hits, with a
+token budget that puts chunk boundaries next to images — over prompts longer than the 32-token
+window with 1 to 3 images (16 bidirectional tokens each)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from mmserve import Runtime
+from mmserve.attention import ModelFeatures, SdpaBackend
+from mmserve.cli import main as cli
+from mmserve.config import Config, ModelConfig
+from mmserve.models.demo import render_image
+from mmserve.models.demo.gemma3 import GEMMA3_PRESETS, build_gemma3_config, build_gemma3_tokenizer
+from mmserve.models.gemma3 import Gemma3Adapter, soft_runs
+from mmserve.models.loading import check_checkpoint, load_adapter
+from mmserve.models.paged import KVArena, Segment
+from mmserve.models.random_weights import MARKER, read_marker
+from tests.conftest import on_device
+from tests.helpers import image_part
+
+QUESTION = "What color is the shape? Describe the image."
+PROMPTS = {1: [(64, 64)], 2: [(32, 48), (80, 40)], 3: [(64, 64), (40, 90), (50, 50)]}
+NEW_TOKENS = 10
+MARGIN_ABS = 1e-4
+
+
+def images_of(n: int) -> list:
+    colours = ["red", "blue", "green"]
+    return [render_image(colours[i], ["circle", "square", "triangle"][i], seed=60 + i).resize(size)
+            for i, size in enumerate(PROMPTS.get(n, []))]
+
+
+def chat(n: int, text: str = QUESTION) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": text}]}]
+
+
+def openai_chat(images) -> list[dict]:
+    return [{"role": "user", "content": [image_part(img) for img in images] + [{"type": "text", "text": QUESTION}]}]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("g3") / "tiny-gemma3"
+    assert cli(["make-model", "--preset", "tiny-gemma3", "--out", str(out), "--random-weights", "--seed", "0"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter(gemma3_dir):
+    a = load_adapter("tiny-gemma3", gemma3_dir)
+    assert isinstance(a, Gemma3Adapter)
+    return a
+
+
+def hf_inputs(adapter, n: int, images=None):
+    proc = Gemma3Processor(image_processor=adapter.image_processor, tokenizer=adapter.tokenizer,
+                           image_seq_length=adapter.tokens_per_image, chat_template=adapter.tokenizer.chat_template)
+    images = images_of(n) if images is None else images
+    return proc(text=[adapter.render_prompt(chat(n))], images=images or None, return_tensors="pt")
+
+
+def test_the_preset_writes_a_gemma3_transformers_reloads(gemma3_dir, adapter):
+    config = json.loads((gemma3_dir / "config.json").read_text())
+    assert config["model_type"] == "gemma3" and config["architectures"] == ["Gemma3ForConditionalGeneration"]
+    text = config["text_config"]
+    assert text["sliding_window"] == 32 and set(text["layer_types"]) == {"sliding_attention", "full_attention"}
+    assert read_marker(gemma3_dir)["preset"] == "tiny-gemma3" and MARKER in {p.name for p in gemma3_dir.iterdir()}
+    assert Gemma3ImageProcessorPil.from_pretrained(gemma3_dir).to_dict() == adapter.image_processor.to_dict()
+    assert check_checkpoint("g", gemma3_dir) == "gemma3"
+    features = ModelFeatures.from_config(adapter.config)
+    assert features.needed == ("gqa", "sliding_window", "bidirectional_spans")
+    SdpaBackend().check(features)  # served: the sdpa path implements both masks
+    # the random projector is drawn, not transformers' zero init: images differ
+    assert float(adapter.model.model.multi_modal_projector.mm_input_projection_weight.abs().sum()) > 0
+
+
+def test_the_4b_preset_has_gemma3_4b_shapes():
+    p = GEMMA3_PRESETS["gemma3-4b"]
+    config = build_gemma3_config(p, build_gemma3_tokenizer())
+    text = config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads,
+            text.head_dim, text.sliding_window) == (2560, 34, 8, 4, 256, 1024)
+    assert text.layer_types.count("full_attention") == 5 and text.layer_types[5] == "full_attention"
+    assert config.mm_tokens_per_image == 256 and config.vision_config.image_size == 896
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_prompts_are_the_processors_and_images_are_bidirectional_runs(adapter, n):
+    hf = hf_inputs(adapter, n)
+    prompt = adapter.tokenize(chat(n), images_of(n))
+    assert list(prompt.input_ids) == hf["input_ids"][0].tolist()
+    types = hf["token_type_ids"][0].tolist()
+    assert prompt.bidirectional == soft_runs(types, 1) and len(prompt.bidirectional) == n
+    assert [(s.start, s.start + s.length) for s in prompt.spans] == list(prompt.bidirectional)
+    if n:
+        assert torch.equal(torch.cat(adapter.pixel_values(images_of(n))), hf["pixel_values"])
+
+
+def test_pan_and_scan_prompts_and_rows_are_the_processors(gemma3_dir, tmp_path):
+    """With pan-and-scan, a wide image is its original view and crops, each a run of soft tokens
+    (each bidirectional alone, as transformers groups them); the image's span covers them all,
+    its rows holding the markers' embeddings between the runs; logits equal the model's own."""
+    import shutil
+
+    d = tmp_path / "pas"
+    shutil.copytree(gemma3_dir, d)
+    settings = json.loads((d / "preprocessor_config.json").read_text())
+    settings.update(do_pan_and_scan=True, pan_and_scan_min_crop_size=32)
+    (d / "preprocessor_config.json").write_text(json.dumps(settings))
+    a = load_adapter("pas", d)
+    imgs = [render_image("red", "circle", seed=1).resize((96, 32)), render_image("blue", "square", seed=2)]
+    assert [a.crops(i) for i in imgs] == [3, 0]
+    proc = Gemma3Processor(image_processor=a.image_processor, tokenizer=a.tokenizer, image_seq_length=16,
+                           chat_template=a.tokenizer.chat_template)
+    hf = proc(text=[a.render_prompt(chat(2))], images=imgs, return_tensors="pt", do_pan_and_scan=True,
+              pan_and_scan_min_crop_size=32)
+    prompt = a.tokenize(chat(2), imgs)
+    assert list(prompt.input_ids) == hf["input_ids"][0].tolist()
+    assert prompt.bidirectional == soft_runs(hf["token_type_ids"][0].tolist(), 1) and len(prompt.bidirectional) == 5
+    rows = a.encode_images(a.pixel_values(imgs))
+    assert [r.shape[0] for r in rows] == [s.length for s in prompt.spans]
+    logits = _paged_prefill(a, prompt, rows, chunk=20)
+    with torch.inference_mode():
+        ref = a.model(**hf).logits[0, -1]
+    assert float((logits[0] - ref).abs().max()) < MARGIN_ABS
+
+
+def _paged_prefill(adapter, prompt, rows, chunk: int):
+    """The prompt through the paged path in chunks of about `chunk` tokens, never splitting an
+    image (as the scheduler cuts them) -> the last token's logits."""
+    from mmserve.generation.scheduler import prefill_chunk
+
+    embeds = adapter.embed(prompt.input_ids, [(s.start, e) for s, e in zip(prompt.spans, rows)])
+    n = len(prompt.input_ids)
+    arena = KVArena.for_model(adapter, 1 << 22, 4)
+    table = tuple(range(-(-n // 4)))
+
+    class Seq:
+        kv_len, target_len, bidirectional = 0, n, prompt.bidirectional
+
+    seq = Seq()
+    while seq.kv_len < n:
+        s = seq.kv_len
+        e = s + prefill_chunk(seq, chunk, alone=True)
+        logits = adapter.forward_paged(embeds[:, s:e], [Segment(table, s, e - s)], arena, spans=[prompt.bidirectional])
+        seq.kv_len = e
+    return logits
+
+
+@pytest.mark.parametrize("n", [0, 2, 3])
+def test_first_step_logits_equal_transformers(adapter, n):
+    imgs = images_of(n)
+    hf = hf_inputs(adapter, n)
+    prompt = adapter.tokenize(chat(n), imgs)
+    rows = adapter.encode_images(adapter.pixel_values(imgs)) if imgs else []
+    logits = _paged_prefill(adapter, prompt, rows, chunk=13)
+    with torch.inference_mode():
+        ref = adapter.model(**hf).logits[0, -1]
+    diff = float((logits[0] - ref).abs().max())
+    print(f"tiny-gemma3, {n} images, {len(prompt.input_ids)} prompt tokens: max |logit diff| = {diff:.3g}")
+    assert diff < MARGIN_ABS
+
+
+def _token_bytes(tokenizer):
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    return lambda i: bytes(decoder[c] for c in tokenizer.convert_ids_to_tokens(int(i)))
+
+
+def _generate(adapter, n: int):
+    hf = hf_inputs(adapter, n)
+    with torch.inference_mode():
+        out = adapter.model.generate(**hf, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                     output_logits=True, return_dict_in_generate=True)
+    ids = out.sequences[0, hf["input_ids"].shape[1]:].tolist()
+    margins = [float(t[0] - t[1]) for t in (torch.topk(step[0].float(), 2).values for step in out.logits)]
+    return ids, margins, hf["input_ids"].shape[1]
+
+
+async def test_greedy_tokens_through_the_runtime_equal_generate(adapter, gemma3_dir):
+    """Each prompt (past the 32-token window: 1-3 images of 16 tokens) twice through the runtime,
+    caches on (the second time prefix and encoder hits), in prefill chunks of at most 20 tokens
+    (so chunk boundaries fall next to images, and each image is a chunk of its own), all prompts
+    at once; token for token equal to `generate`, each top-2 margin within 1e-4 of its own."""
+    import trio
+
+    as_bytes = _token_bytes(adapter.tokenizer)
+    lead = adapter.answer_lead.encode()
+    expected = {n: _generate(adapter, n) for n in PROMPTS}
+    assert all(length > 32 for _, _, length in expected.values())
+    config = on_device(Config(models=(ModelConfig("g3", str(gemma3_dir), default=True),))).replace(
+        kv_cache={"block_size": 4}, generator={"max_batched_tokens": 20})
+    cached = []
+    async with Runtime.open(config) as rt:
+        for attempt in range(2):
+            got: dict = {}
+
+            async def one(n):
+                got[n] = await rt.chat_completion(openai_chat(images_of(n)), temperature=0, max_tokens=NEW_TOKENS,
+                                                  min_tokens=NEW_TOKENS, logprobs=True, top_logprobs=2)
+
+            async with trio.open_nursery() as nursery:
+                for n in PROMPTS:
+                    nursery.start_soon(one, n)
+            for n, (ids, margins, _) in expected.items():
+                c = got[n]
+                tokens = [bytes(t.bytes) for t in c.choices[0].logprobs]
+                want = [as_bytes(i) for i in ids]
+                if want and want[0].startswith(lead) and not tokens[0].startswith(lead):
+                    want[0] = want[0][len(lead):]
+                assert tokens == want, (n, attempt)
+                ours = [t.top[0].logprob - t.top[1].logprob for t in c.choices[0].logprobs]
+                worst = max(abs(a - b) for a, b in zip(ours, margins))
+                print(f"tiny-gemma3, {n} images, pass {attempt + 1}: {len(tokens)} tokens equal, smallest top-2 "
+                      f"margin {min(margins):.3g}, max |margin diff| {worst:.3g}")
+                assert worst < MARGIN_ABS, (n, attempt)
+                if attempt:
+                    cached.append(c.usage.cached_tokens)
+    assert all(cached), cached
