@@ -122,5 +122,7 @@ def test_a_waiting_hit_gives_its_blocks_back_before_a_running_sequence():
     gen = SimpleNamespace(seqs=[waiting_old, running_new], preemptions=0, metrics=None,
                           _release=lambda s, final=True: released.append((s.request_id, final)),
                           log=SimpleNamespace(info=lambda *a, **k: None))
-    assert BlockGrants._preempt_newest(gen) is waiting_old
+    victim = BlockGrants._newest_holder(gen)
+    assert victim is waiting_old
+    BlockGrants._preempt(gen, victim)
     assert released == [("hit", False)] and waiting_old.kv_len == 0

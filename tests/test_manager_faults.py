@@ -1,6 +1,7 @@
 """A fault of the KV cache manager fails only what it held (issue 28).
 
-A manager exception at a message that is its own (allocate, release, resume) kills it; the
+A manager exception at a message that is its own (a refill of the generator's reservation, a
+release, a resume) kills it; the
 supervisor restarts it with fresh bookkeeping (a new epoch). The requests whose blocks the dead
 life held fail with a 503 to retry; a request that held nothing — waiting for admission, or
 preempted — goes on and gets its answer alone; the generator never dies of it. A fault at one
@@ -47,11 +48,13 @@ def restarts(rt, actor: str) -> int:
     return rt.supervisor.states[f"{actor}[demo]"].restarts
 
 
-@pytest.mark.parametrize("point", ["prefix.allocate", "prefix.release"])
+@pytest.mark.parametrize("point", ["prefix.refill", "prefix.release"])
 async def test_a_manager_fault_fails_the_holders_only(demo_config, point):
     """A long answer holds blocks; a request waiting for admission (max_running_requests = 1)
-    holds none. The manager dies at its next grant (or at the Release of a third request that
-    gave up while waiting): the long answer gets a 503, the waiting one its answer alone."""
+    holds none. The manager dies at its next refill (or at the Release of a third request that
+    gave up while waiting): the long answer gets a 503, the waiting one its answer alone. (The
+    reservation's refill follows every step report that drew blocks; a release is an entry of
+    the step report.)"""
     async with Runtime.open(one_at_a_time(demo_config)) as rt:
         await rt.chat_completion([{"role": "user", "content": "warm up"}], max_tokens=1)
         out = {}
@@ -70,8 +73,8 @@ async def test_a_manager_fault_fails_the_holders_only(demo_config, point):
                             nursery.start_soon(waiting)
                             await wait_until(lambda: len(rt.registry.require("demo").generator.seqs) >= 2, 5,
                                              what="the second request waiting in the generator")
-                            if point == "prefix.allocate":
-                                faults.configure("prefix.allocate=raise@1")
+                            if point == "prefix.refill":
+                                faults.configure("prefix.refill=raise@1")
                             else:
                                 faults.configure("prefix.release=raise@1")
                                 async with rt.chat(DOOMED, temperature=0, max_tokens=4) as doomed:

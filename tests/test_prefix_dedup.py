@@ -10,12 +10,13 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mmserve import Runtime
-from mmserve.actors.messages import Allocate, Commit, KVEpoch, Lookup, Release
+from mmserve.actors.messages import Commit, KVEpoch, Lookup, Release
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.cache.inflight import InFlightBlocks
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from mmserve.config import KVCacheConfig
 from tests.helpers import ask
+from tests.kv_protocol import GeneratorSide
 
 HASHES = tuple(bytes([i]) * 16 for i in range(4))
 
@@ -104,9 +105,9 @@ async def started(nursery, wait_s=10.0, num_blocks=64):
 
 
 async def grant(m, needs):
-    send, receive = trio.open_memory_channel(1)
-    m.inbox_send.send_nowait(Allocate(tuple(needs), send))
-    return await answer(receive)
+    """The blocks of `needs` drawn from the generator's reservation: {request id: blocks}, epoch."""
+    side = m.__dict__.setdefault("_test_side", GeneratorSide(m))
+    return await side.grant(needs)
 
 
 async def test_a_waiter_gets_the_blocks_once_the_owner_commits():
@@ -118,7 +119,7 @@ async def test_a_waiter_gets_the_blocks_once_the_owner_commits():
         m.inbox_send.send_nowait(Lookup("b", HASHES, send))
         await trio.testing.wait_all_tasks_blocked()
         assert receive.statistics().current_buffer_used == 0 and m.stats()["waiting_lookups"] == 1
-        (rid, blocks), = (await grant(m, [("a", 4)])).granted
+        (rid, blocks), = (await grant(m, [("a", 4)]))[0].items()
         m.inbox_send.send_nowait(Commit("a", tuple(enumerate(HASHES))))
         got = await answer(receive)
         # b's table starts with a's very blocks: a hit copies nothing
@@ -168,17 +169,20 @@ async def test_a_wait_ends_at_its_deadline(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
-async def test_grants_go_in_order_until_one_cannot_be_met_and_a_late_grant_is_taken_back():
+async def test_a_refill_gives_what_the_arena_has_and_one_nobody_takes_goes_back():
     async with trio.open_nursery() as nursery:
         m = await started(nursery, num_blocks=6)
-        reply = await grant(m, [("old", 2), ("mid", 3), ("new", 2)])
-        assert [r for r, _ in reply.granted] == ["old", "mid"] and reply.refused == ("new",)
-        assert reply.free_blocks == 1
+        side = GeneratorSide(m)
+        first = await side.refill(4)
+        assert len(first.blocks) == 4 and first.free_blocks == 2
+        assert m.arena.table(m.reservation) == first.blocks  # the reservation's alone
         send, receive = trio.open_memory_channel(1)
-        receive.close()  # the generator stopped waiting
-        m.inbox_send.send_nowait(Allocate((("late", 1),), send))
+        receive.close()  # a refill the generator cannot take
+        side.report(want=8, reply=send)
         await trio.testing.wait_all_tasks_blocked()
-        assert m.arena.table("late") == () and m.arena.num_free() == 1
+        assert m.arena.table(m.reservation) == first.blocks and m.arena.num_free() == 2
+        late = await side.refill(8)  # no more than the arena has
+        assert len(late.blocks) == 2 and late.free_blocks == 0
         m.arena.check_invariants()
         nursery.cancel_scope.cancel()
 
@@ -192,9 +196,9 @@ async def test_a_grant_without_free_blocks_evicts_and_logs_it():
         m.inbox_send.send_nowait(Commit("a", tuple(enumerate(HASHES))))
         m.inbox_send.send_nowait(Release("a"))
         with capture_logs() as logs:
-            reply = await grant(m, [("b", 2)])
+            granted, _ = await grant(m, [("b", 2)])
         evicts = [e for e in logs if e["event"] == "prefix_cache.evict"]
-        assert len(evicts) == 1 and sorted(evicts[0]["blocks"]) == sorted(dict(reply.granted)["b"])
+        assert len(evicts) == 1 and sorted(evicts[0]["blocks"]) == sorted(granted["b"])
         # the chain is evicted from its tail: its first blocks are still a usable prefix
         assert m.arena.peek(HASHES) == 2
         m.arena.check_invariants()
@@ -206,13 +210,13 @@ async def test_a_restart_voids_the_generators_tables():
         m = await started(nursery)
         to_generator, generator_inbox = trio.open_memory_channel(math.inf)
         m.generator = to_generator
-        first = (await grant(m, [("a", 1)])).epoch
+        first = (await grant(m, [("a", 1)]))[1]
         m.fail_in_flight(RuntimeError("boom"))
         nursery.start_soon(m.run)  # the supervisor's restart
         with trio.fail_after(5):
             msg = await generator_inbox.receive()
         assert isinstance(msg, KVEpoch) and msg.epoch == first + 1
-        assert (await grant(m, [("b", 1)])).epoch == first + 1 and m.arena.table("a") == ()
+        assert (await grant(m, [("b", 1)]))[1] == first + 1 and m.arena.table("a") == ()
         nursery.cancel_scope.cancel()
 
 

@@ -44,8 +44,8 @@ class Answers:
         self._accept(seq, result)
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
-        """The blocks this step filled, keyed and committed (bookkeeping: requests waiting for
-        them go on)."""
+        """The blocks this step filled, keyed and committed in the next step report (bookkeeping:
+        requests waiting for them go on; a failed commit fails this request alone)."""
         if seq.chain is None:
             return
         full = min(seq.kv_len // self.block_size, seq.table_len)
@@ -56,7 +56,7 @@ class Answers:
         new = tuple((i, seq.hashes[i]) for i in range(seq.committed, min(full, len(seq.hashes))))
         seq.committed = full
         if new:
-            self.cache_manager.send_nowait(Commit(seq.kv_owner, new, self.inbox_send, seq.label))
+            self._note(Commit(seq.kv_owner, new, self.inbox_send, seq.label))  # in the next step report
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
         """Takes a sampled token; the sequence ends when it is a stop (or completes its grammar),

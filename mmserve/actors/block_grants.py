@@ -1,60 +1,293 @@
-"""How the generator gets the KV blocks a step needs: one `Allocate` per step to the cache manager,
-preempting the newest sequence when a decode token finds no block (a part of `Generator`)."""
+"""How the generator gets the KV blocks its steps need (a part of `Generator`): from a reservation
+the cache manager refills, with one message each way per step and no round trip on the hot path.
+
+The manager holds a few blocks for the generator under an owner of its own (`Reservation(epoch,
+lease)`) and hands them over in `Refill`s. At plan time the generator draws the blocks its
+sequences' next tokens need from that reserve, locally — the block after a table's last one when
+the reserve has it, so tables stay consecutive. Right before the step's forward it sends one
+`StepReport` (never awaited) with everything since the last one, in order: the draws, the commits
+of blocks the previous step filled, the releases of sequences that ended or were preempted, and
+how many blocks it wants in reserve (a step's worth: what the next step will draw, estimated, plus
+a little slack, at most a quarter of the arena), with hints naming the blocks that would keep
+running tables consecutive. The manager answers with at most one refill, which
+arrives while the forward runs and is taken between steps. A step that changed nothing sends nothing.
+
+A decode token the reserve cannot cover waits a step while a refill is on its way; once the
+manager has answered that it has nothing left (free or evictable), the newest sequence holding
+blocks is preempted — its blocks go back through the report (committed ones stay cached) and come
+back, as the manager sees fit, in the next refill. A prefill chunk is cut to the blocks the reserve
+has; when only prefills wait and none can go, the newest holder other than the oldest of them is
+preempted, so the oldest sequence always gets its blocks in the end.
+
+The reservation's life: a refill is taken only if it is of the manager life (epoch) and the lease
+the generator draws from now, and never twice (its report's number). Going idle, restarting, or
+hearing of a new manager life, the generator drops its reserve and starts a new lease; its next
+report gives the older lease's blocks back whole, refills of it still on their way included (it
+drops those). Resume and Fork stay round trips (they are not per step); the report goes first.
+"""
 
 from __future__ import annotations
 
+import itertools
+
 import trio
 
-from mmserve.actors.messages import Allocate, Allocated, Release, Resume, Resumed
+from mmserve.actors.messages import Draw, Refill, Release, Resume, Resumed, StepReport
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.errors import ServiceUnavailable
-from mmserve.generation.scheduler import Planned, newest
+from mmserve.generation.scheduler import Planned, blocks_for, fit_chunk, newest
+
+RESERVE_SHARE = 4  # the reservation holds at most 1/RESERVE_SHARE of the arena
+RESERVE_SLACK = 2  # blocks beyond the next step's estimate: a request that arrives meanwhile runs at once
+
+
+class Reserve:
+    """The reservation's blocks the generator has not drawn yet. A table grows by the block right
+    after its last one when the reserve holds it; otherwise by the largest run of consecutive
+    blocks, the slack split evenly around it (as `cache.free_blocks` places a table)."""
+
+    def __init__(self):
+        self._blocks: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._blocks
+
+    def blocks(self) -> list[int]:
+        return sorted(self._blocks)
+
+    def add(self, blocks) -> None:
+        self._blocks.update(blocks)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def draw(self, last: int | None, n: int) -> list[int]:
+        """`n` blocks (at most len(self)) for a table whose last block is `last` (None: empty)."""
+        out: list[int] = []
+        while len(out) < n:
+            block = last + 1 if last is not None and last + 1 in self._blocks else self._placed(n - len(out))
+            self._blocks.remove(block)
+            out.append(block)
+            last = block
+        return out
+
+    def _placed(self, wanted: int) -> int:
+        start, length, run_start, prev = 0, 0, None, None
+        for b in sorted(self._blocks):
+            if prev is None or b != prev + 1:
+                run_start = b
+            prev = b
+            if b - run_start + 1 > length:
+                start, length = run_start, b - run_start + 1
+        return start + max(0, length - wanted) // 2
+
+
+class GrantBook:
+    """The generator's side of the reservation protocol."""
+
+    def __init__(self):
+        self.reserve = Reserve()
+        self.lease = 0
+        self.numbers = itertools.count()  # report numbers: one generator never reuses one
+        self.entries: list = []  # Draw | Commit | Release since the last report, in order
+        self.sent_lease: int | None = None  # the lease the last report named
+        self.last_sent = -1  # the last report's number
+        self.last_refill = -1  # the number of the report whose refill was taken last
+        self.due_since: float | None = None  # a refill was asked for and has not come
+        self.manager_free: int | None = None  # what the manager could still give, at its last refill
+        self.exhausted = False  # the answer to the latest report: nothing left to give
+        self.starved = False  # the last plan had tokens no block could be drawn for
+        self.reports = 0
+        self.refills = 0
 
 
 class BlockGrants:
-    """Generator methods: granting a plan its blocks, preemption, giving way, manager epochs."""
+    """Generator methods: drawing a plan's blocks from the reservation, the step report, refills,
+    preemption, resumes, manager epochs."""
 
-    async def _granted(self, plan: list[Planned]) -> list[Planned]:
-        """The plan, with the blocks it needs granted. A decode token that finds no block preempts
-        the newest sequence holding blocks, and the step is planned again; a prefill chunk that
-        finds none waits — unless only prefills wait: then the newest holder other than the
-        oldest of them is preempted, so the oldest sequence always gets its blocks in the end."""
-        while plan:
-            if not any(p.new_blocks for p in plan):
-                return plan  # every token fits the blocks it holds: nothing to ask
-            reply = await self._allocate(plan)
-            if reply is None:
-                return []
-            self._check_epoch(reply.epoch)
-            for rid, blocks in reply.granted:
-                seq = next((s for s in self.seqs if s.kv_owner == rid and s.state in LIVE), None)
-                if seq is None:  # failed meanwhile (e.g. by the epoch check): the grant goes back
-                    self.cache_manager.send_nowait(Release(rid))
+    @property
+    def grants(self) -> GrantBook:
+        book = self.__dict__.get("_grant_book")
+        if book is None:
+            book = self._grant_book = GrantBook()
+        return book
+
+    # -- drawing -------------------------------------------------------------------------------
+
+    def _granted(self, plan: list[Planned]) -> list[Planned]:
+        """The plan, with its blocks drawn from the reserve, most urgent first (decode tokens of
+        the oldest sequences, then prefill chunks). A decode token the reserve cannot cover waits;
+        a prefill chunk is cut to what the reserve covers. When the manager answered that nothing
+        is left, the newest holder is preempted (see the module's docstring)."""
+        g = self.grants
+        going, stuck = [], []
+        for p in plan:
+            if p.new_blocks == 0:
+                going.append(p)
+            elif p.decode:
+                if len(g.reserve) >= p.new_blocks:
+                    self._draw(p.seq, p.new_blocks)
+                    going.append(p)
+                else:
+                    stuck.append(p)
+            else:
+                n = min(p.new_blocks, len(g.reserve))
+                tokens = fit_chunk(p.seq, min(p.tokens, (p.seq.table_len + n) * self.block_size - p.seq.kv_len))
+                if tokens <= 0:
+                    stuck.append(p)
                     continue
-                seq.table.extend(blocks)
-                seq.epoch, seq.registered = reply.epoch, True
-            refused = set(reply.refused)
-            plan = [p for p in plan if p.seq.state in LIVE]
-            going = [p for p in plan if p.seq.kv_owner not in refused]
-            if not refused:
-                return plan
-            stuck = any(p.decode and p.seq.kv_owner in refused for p in plan)
-            oldest_refused = min((p.seq for p in plan if p.seq.kv_owner in refused), key=lambda s: s.order)
-            if (stuck or not going) and self._preempt_newest(spare=None if stuck else oldest_refused):
-                plan = self._plan()
-                continue
-            return going  # refused prefills wait (with no victim left, lookups pin the blocks for now)
-        return []
+                self._draw(p.seq, n)
+                going.append(p if tokens == p.tokens else Planned(p.seq, tokens, n, False))
+        g.starved = bool(stuck)
+        if not stuck or g.due_since is not None or not g.exhausted:
+            return going  # what waits may be covered by the refill asked for (or to ask for)
+        decode = any(p.decode for p in stuck)
+        if not (decode or not going):
+            return going
+        # victims, newest first, until what they give back covers the stuck decode tokens (or one
+        # block for the oldest prefill): a victim whose blocks others share gives nothing back
+        oldest = min((p.seq for p in stuck), key=lambda s: s.order)
+        need = sum(p.new_blocks for p in stuck if p.decode) if decode else 1
+        while need > 0:
+            victim = self._newest_holder(spare=None if decode else oldest)
+            if victim is None:
+                break  # (with no victim left, lookups pin the blocks for now)
+            others = {b for s in self.seqs if s is not victim and s.state in LIVE for b in s.table}
+            need -= len(set(victim.table) - others)
+            self._preempt(victim)
+            g.exhausted = False  # what they give back may be enough: the manager is asked again
+            going = [p for p in going if p.seq is not victim]
+        return going  # the rest wait for the refill
 
-    def _preempt_newest(self, spare: Sequence | None = None) -> Sequence | None:
-        """Frees every block of the newest sequence holding any (not `spare`) — one still waiting
-        for admission (a hit holding its pinned prefix) before any running one; it is prefilled
-        again later, from what is still cached of its blocks on (its images encoded again where
-        their KV is gone). None when no other sequence holds a block."""
-        holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table]
-        victim = newest([s for s in holders if not s.admitted]) or newest(holders)
-        if victim is None:
+    def _draw(self, seq: Sequence, n: int) -> None:
+        if n <= 0:
+            return
+        blocks = self.grants.reserve.draw(seq.table[-1] if seq.table else None, n)
+        seq.table.extend(blocks)
+        seq.epoch, seq.registered = self.kv_epoch, True
+        self.grants.entries.append(Draw(seq.kv_owner, tuple(blocks)))
+
+    def _note(self, entry) -> None:
+        """A Commit or Release for the next step report."""
+        self.grants.entries.append(entry)
+
+    # -- the report and the refill -------------------------------------------------------------
+
+    def _need(self, plan: list[Planned] = ()) -> int | None:
+        """What the next step will draw, after the step `plan` (its draws done): a block for each
+        decode token that starts one, the blocks of the prefill chunks up to `max_batched_tokens`.
+        None when idle."""
+        live = sorted((s for s in self.seqs if s.state in LIVE), key=lambda s: s.order)
+        if not live:
             return None
+        bs, budget, want = self.block_size, self.config.max_batched_tokens, 0
+        ahead = {id(p.seq): p.tokens for p in plan}
+        prefills = []
+        for seq in live:
+            kv = seq.kv_len + ahead.get(id(seq), 0)
+            if kv < seq.target_len:
+                prefills.append((seq, kv))
+            else:  # it decodes next step
+                want += max(0, blocks_for(kv + 1, bs) - seq.table_len)
+                budget -= 1
+        for seq, kv in prefills:
+            chunk = min(seq.target_len - kv, max(0, budget))
+            budget -= chunk
+            want += max(0, blocks_for(kv + chunk, bs) - seq.table_len)
+        return want
+
+    def _hints(self, plan: list[Planned]) -> tuple[tuple[int, int], ...]:
+        """(block, n): the blocks after each planned table that its next step will need, when the
+        reserve lacks them — given first by the refill when free, they keep tables consecutive."""
+        hints = []
+        for p in plan:
+            seq = p.seq
+            if not seq.table or seq.table[-1] + 1 in self.grants.reserve:
+                continue
+            end = seq.kv_len + p.tokens
+            ahead = 1 if p.decode or end >= seq.target_len else min(seq.target_len - end,
+                                                                    self.config.max_batched_tokens)
+            need = blocks_for(end + ahead, self.block_size) - seq.table_len
+            if need > 0:
+                hints.append((seq.table[-1] + 1, need))
+        return tuple(hints)
+
+    def _report(self, plan: list[Planned] = ()) -> None:
+        """Sends the step report when there is anything to say: entries, a new lease (the older one
+        goes back), or blocks to ask for — unless a refill is on its way, or the manager had none
+        left and nothing here is waiting for them."""
+        g = self.grants
+        if not any(s.state in LIVE for s in self.seqs) and (len(g.reserve) or g.due_since is not None):
+            self._new_lease()  # idle: the reservation goes back whole
+        now = trio.current_time()
+        if g.due_since is not None and now - g.due_since > self.config.lookup_timeout_s:
+            self.log.warning("generator.refill_timeout", waited_s=round(now - g.due_since, 3))
+            g.due_since = None  # asked again below
+        need = self._need(plan)
+        cap = max(1, self.kv.num_blocks // RESERVE_SHARE)
+        # the reserve to hold: the next step's draws, plus RESERVE_SLACK for requests that arrive
+        # meanwhile (none when idle); asked for only when the next step's draws are not covered
+        want = 0 if need is None else min(need + RESERVE_SLACK, cap)
+        short = g.starved or (need is not None and min(need, cap) > len(g.reserve))
+        ask = short and want > len(g.reserve) and g.due_since is None and (g.starved or g.manager_free != 0)
+        if not (g.entries or g.sent_lease != g.lease or ask):
+            return
+        number = next(g.numbers)
+        report = StepReport(number, self.kv_epoch, g.lease, tuple(g.entries), want, self.inbox_send,
+                            self._hints(plan) if want > len(g.reserve) else ())
+        g.entries, g.sent_lease, g.last_sent, g.exhausted = [], g.lease, number, False
+        if want > len(g.reserve) and g.due_since is None:
+            g.due_since = now
+        g.reports += 1
+        self.cache_manager.send_nowait(report)
+
+    def _refilled(self, msg: Refill) -> None:
+        """Takes a refill of the current manager life and lease, once; any other goes (the manager
+        took it back when it saw the newer lease, or it died with its life)."""
+        g = self.grants
+        if self.kv_epoch is None or msg.epoch > self.kv_epoch:
+            self._check_epoch(msg.epoch)
+        if msg.epoch != self.kv_epoch or msg.lease != g.lease or msg.number <= g.last_refill:
+            self.log.debug("generator.refill_dropped", epoch=msg.epoch, lease=msg.lease, number=msg.number,
+                           blocks=len(msg.blocks))
+            return
+        g.last_refill, g.manager_free, g.due_since = msg.number, msg.free_blocks, None
+        g.exhausted = msg.number == g.last_sent and msg.free_blocks == 0
+        g.reserve.add(msg.blocks)
+        g.refills += 1
+
+    def _new_lease(self) -> None:
+        """The reserve is dropped: the next report names a new lease, which gives every block of
+        the older one back (refills of it still on their way are dropped when they come)."""
+        g = self.grants
+        g.lease += 1
+        g.reserve.clear()
+        g.due_since, g.manager_free, g.exhausted = None, None, False
+        # unreported draws go back with the whole lease: only ended (or failed) sequences hold any
+        # now — idle, restarted, or of a manager life that died
+        g.entries = [e for e in g.entries if not isinstance(e, Draw)]
+
+    def _give_back(self) -> None:
+        """A restart: every release so far, and the reservation, go back in one last report."""
+        self._new_lease()
+        self._report()
+
+    # -- preemption, resumes, epochs -----------------------------------------------------------
+
+    def _newest_holder(self, spare: Sequence | None = None) -> Sequence | None:
+        """The sequence to preempt: the newest holding blocks (not `spare`) — one still waiting for
+        admission (a hit holding its pinned prefix) before any running one. None when no other
+        sequence holds a block."""
+        holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table]
+        return newest([s for s in holders if not s.admitted]) or newest(holders)
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Gives every block of `victim` back (in the next report); it is prefilled again later,
+        from what is still cached of its blocks on (its images encoded again where their KV is
+        gone)."""
         self._release(victim, final=False)
         victim.kv_len, victim.committed = 0, 0
         victim.resumable = victim.chain is not None and bool(victim.hashes)
@@ -64,12 +297,12 @@ class BlockGrants:
         if self.metrics is not None:
             self.metrics.preempted(self.adapter.name)
         self.log.info("generator.preempted", request_id=victim.request_id, tokens=len(victim.tokens))
-        return victim
 
     async def _resume(self, seqs: list[Sequence]) -> None:
         """Preempted sequences about to be prefilled again get back, from the manager, the blocks
         of theirs still cached (committed before the preemption and not evicted since): their
-        prefill goes on after them. Each leaves at least its last token to compute (its logits)."""
+        prefill goes on after them. Each leaves at least its last token to compute (its logits).
+        A round trip, after the report that carries their releases."""
         wants = []
         for seq in seqs:
             seq.resumable = False
@@ -78,11 +311,17 @@ class BlockGrants:
                 wants.append((seq.kv_owner, tuple(seq.hashes[:most])))
         if not wants:
             return
+        self._report()  # their releases reach the manager first
         send, replies = trio.open_memory_channel(1)
         self.cache_manager.send_nowait(Resume(tuple(wants), send))
         reply: Resumed | None = None
         with replies, trio.move_on_after(self.config.lookup_timeout_s):
             reply = await replies.receive()
+        while True:  # what came meanwhile — a restart of the manager above all — before any draw
+            try:
+                self._on_message(self.inbox.receive_nowait())
+            except trio.WouldBlock:
+                break
         if reply is None:  # its prefill recomputes everything: slower, never wrong
             self.log.warning("generator.resume_timeout", waited_s=self.config.lookup_timeout_s)
             return
@@ -92,7 +331,7 @@ class BlockGrants:
                 continue
             seq = next((s for s in self.seqs if s.kv_owner == owner and s.state in LIVE), None)
             if seq is None or seq.table:  # ended (or failed by the epoch check): they go back
-                self.cache_manager.send_nowait(Release(owner))
+                self._note(Release(owner))
                 continue
             seq.committed = len(blocks)  # the resumed blocks are cache entries: committed
             seq.table.extend(blocks)
@@ -102,21 +341,14 @@ class BlockGrants:
             self.log.info("generator.resumed", request_id=seq.request_id, blocks=len(blocks),
                           tokens=len(blocks) * self.block_size, kv_len=seq.kv_len, target_len=seq.target_len)
 
-    async def _allocate(self, plan: list[Planned]) -> Allocated | None:
-        needs = tuple((p.seq.kv_owner, p.new_blocks) for p in plan if p.new_blocks)
-        send, replies = trio.open_memory_channel(1)
-        self.cache_manager.send_nowait(Allocate(needs, send))
-        # closed on the way out: a grant that comes too late finds no one, and the manager takes it back
-        with replies, trio.move_on_after(self.config.lookup_timeout_s):
-            return await replies.receive()
-        self.log.warning("generator.allocate_timeout", waited_s=self.config.lookup_timeout_s)
-        return None
-
     def _check_epoch(self, epoch: int) -> None:
         """Tables from an earlier life of the cache manager point at blocks it may have given away:
-        their sequences fail; those that held nothing go on."""
-        self.kv_epoch = max(epoch, self.kv_epoch or 0)
-        for seq in [s for s in self.seqs if s.epoch is not None and s.epoch != epoch and s.state in LIVE]:
+        their sequences fail; those that held nothing go on. The reservation died with that life."""
+        old = self.kv_epoch
+        self.kv_epoch = max(epoch, old or 0)
+        if old is not None and self.kv_epoch != old:
+            self._new_lease()
+        for seq in [s for s in self.seqs if s.epoch is not None and s.epoch != self.kv_epoch and s.state in LIVE]:
             self._fail(seq, ServiceUnavailable("the KV cache of this model was restarted while the request "
                                                "ran; retry", retry_after_s=1.0), "kv cache")
         self._prune()

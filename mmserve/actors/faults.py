@@ -30,8 +30,9 @@ POINTS = {
     "encoder.item": "encoder: one image's pixel preprocessing",
     "prefix.lookup": "prefix cache: answering one request's lookup",
     "prefix.commit": "prefix cache: committing one request's blocks",
-    "prefix.allocate": "prefix cache: the generator's per-step grant (actor-wide: restarts the manager)",
-    "prefix.release": "prefix cache: one request's release (actor-wide: restarts the manager)",
+    "prefix.refill": "prefix cache: refilling the generator's block reservation after its step report "
+                     "(actor-wide: restarts the manager)",
+    "prefix.release": "prefix cache: one request's release, alone or in a step report (actor-wide: restarts the manager)",
     "prefix.resume": "prefix cache: preempted sequences' cached blocks (actor-wide: restarts the manager)",
     "prefix.fork": "prefix cache: a request's choices sharing its blocks (actor-wide: restarts the manager)",
     "generator.hash": "generator: keying one sequence's newly filled blocks",
@@ -44,7 +45,7 @@ POINTS = {
 
 
 # points where a fault is the actor's own (it dies and is restarted), not one request's
-ACTOR_WIDE = frozenset({"generator.step", "prefix.allocate", "prefix.release", "prefix.resume", "prefix.fork"})
+ACTOR_WIDE = frozenset({"generator.step", "prefix.refill", "prefix.release", "prefix.resume", "prefix.fork"})
 
 
 class InjectedFault(RuntimeError):

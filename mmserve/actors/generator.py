@@ -4,8 +4,9 @@ It receives prepared sequences — the cached prefix already at the start of the
 encoder outputs for the images the prefix does not cover. Each step is ONE forward over the
 arena's block tables (`generation.runner.ModelRunner`, which owns the arena): a decode token of every running sequence and
 prefill chunks of waiting ones, packed to `max_batched_tokens` (`generation.scheduler`); the
-blocks those tokens need are asked of the cache manager in one message per step; when a decode
-token finds no block, the newest sequence is preempted (its blocks released, recomputed later).
+blocks those tokens need are drawn from a reservation the cache manager refills — one report and
+at most one refill per step, never awaited (`actors.block_grants`); when a decode token finds no
+block left anywhere, the newest sequence is preempted (its blocks released, recomputed later).
 The whole batch is sampled on the device with one host transfer — penalties, grammar masks
 (computed beside the forward) and logprobs included. Full blocks are committed as they fill
 (bookkeeping, zero bytes copied). A request's n choices share its one prefill (`actors.choices`).
@@ -25,7 +26,8 @@ from mmserve.actors.choices import BlockCopy, children, fork_of
 from mmserve.actors.faults import fault
 from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
-from mmserve.actors.messages import FinishEvent, GenerateJob, TokenEvent, KVEpoch, PrefixFailed, Release, copy_pin
+from mmserve.actors.messages import (
+    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent, copy_pin)
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
@@ -87,12 +89,16 @@ class Generator(BlockGrants, Answers, Actor):
     async def run(self) -> None:
         self.seqs.clear()
         self._incarnation += 1
+        self._new_lease()  # a restart: whatever was reserved for an earlier run goes back
         while True:
             await self._take_messages()
             self._drop_aborted()
             if self.seqs and not await self._step_round():
+                self._report()  # what changed, and the blocks it waits for
                 with trio.move_on_after(0.01):  # blocks are held elsewhere for now: wait a little
                     self._on_message(await self.inbox.receive())
+            if not self.seqs:
+                self._report()  # idle: the last step's releases, and the reservation goes back
             self.progressed()
 
     # -- messages ------------------------------------------------------------------------------
@@ -113,6 +119,8 @@ class Generator(BlockGrants, Answers, Actor):
     def _on_message(self, msg) -> None:
         if isinstance(msg, GenerateJob):
             self._admit(msg)
+        elif isinstance(msg, Refill):  # blocks for the reservation (`block_grants`)
+            self._refilled(msg)
         elif isinstance(msg, KVEpoch):  # the cache manager restarted: tables of its earlier life are void
             self._check_epoch(msg.epoch)
         elif isinstance(msg, PrefixFailed):  # one of its commits failed: it fails alone
@@ -178,7 +186,7 @@ class Generator(BlockGrants, Answers, Actor):
 
     def _release(self, seq: Sequence, finish=None, final: bool = True) -> None:
         if seq.registered or seq.table:
-            self.cache_manager.send_nowait(Release(seq.kv_owner, finish, final))
+            self._note(Release(seq.kv_owner, finish, final))  # in the next step report
         seq.table = []
         seq.registered = False
         seq.epoch = None  # it holds nothing: a restart of the manager no longer concerns it
@@ -188,7 +196,7 @@ class Generator(BlockGrants, Answers, Actor):
         end at its fork, before the step that would have copied its block)."""
         self.seqs = [s for s in self.seqs if s.state in LIVE]
         for c in [c for c in self._copies if c.child.state not in LIVE]:
-            self.cache_manager.send_nowait(Release(c.pin))
+            self._note(Release(c.pin))
             self._copies.remove(c)
 
     def _fail(self, seq: Sequence, exc: Exception, stage: str) -> None:
@@ -202,6 +210,7 @@ class Generator(BlockGrants, Answers, Actor):
             self._release(seq)
         self.seqs.clear()
         self._release_copies()
+        self._give_back()  # the releases, and the reservation, in one last report
         return super().fail_in_flight(error)
 
     # -- one step ------------------------------------------------------------------------------
@@ -212,9 +221,10 @@ class Generator(BlockGrants, Answers, Actor):
         if any(p.seq.resumable for p in plan):
             await self._resume([p.seq for p in plan if p.seq.resumable])
             plan = self._plan()
-        plan = await self._granted(plan)
+        plan = self._granted(plan)  # drawn from the reservation: no message
         if not plan:
             return False
+        self._report(plan)  # one message per step, never awaited; the refill comes while it runs
         t0 = time.monotonic()
         try:
             results = await compute.run(self._step, plan, self._copies, self._incarnation, abandon_on_cancel=True,

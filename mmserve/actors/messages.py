@@ -135,8 +135,9 @@ class RequestHandle:
 
 @dataclass(frozen=True)
 class PrefixFailed:
-    """Manager → the request's `reply` channel: handling its lookup or commit raised. The manager
-    has released the request's blocks and forgotten it; the request fails alone."""
+    """Manager → the request's `reply` channel: handling its lookup or commit raised, or a step
+    report drew for it blocks the reservation does not hold. The request fails alone (its Release
+    settles what the manager still holds for it)."""
 
     request_id: str
     stage: str
@@ -167,20 +168,62 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
-class Allocate:
-    """Generator → manager, once per step: `needs` new blocks per request, most urgent first (decode
-    tokens of the oldest sequences, then prefill chunks). Granted in that order until the arena
-    cannot give the next one; that one and every later one are refused."""
+class Reservation:
+    """The manager's owner of the blocks it reserved for the generator: lease `lease` in the
+    manager's life `epoch`. Never a request's id (those are strings), so never confused with one."""
 
-    needs: tuple[tuple[str, int], ...]
-    reply: trio.MemorySendChannel
+    epoch: int
+    lease: int
+
+    def __str__(self) -> str:
+        return f"reservation:{self.epoch}/{self.lease}"
 
 
 @dataclass(frozen=True)
-class Allocated:
-    granted: tuple[tuple[str, tuple[int, ...]], ...]
-    refused: tuple[str, ...]
+class Draw:
+    """A step report's entry: the generator gave these blocks of its reservation to the request,
+    appended to its table in this order (the manager moves them from the reservation's table)."""
+
+    request_id: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Generator → manager, at most once per step, never awaited: what the step changed, in the
+    order it happened — blocks drawn from the reservation (`Draw`), full blocks committed
+    (`Commit`), sequences ended or preempted (`Release`) — and how many blocks the generator wants
+    in reserve. The manager answers with at most one `Refill`, when the reservation holds fewer.
+
+    `number` grows with every report and is never reused by one generator: a duplicate or replayed
+    report is ignored whole. `epoch` is the manager life the generator's tables belong to (None:
+    it has heard of none yet); a report of a dead life has its draws and commits ignored (their
+    tables are void), its releases applied. `lease` names the reservation the draws come from; a
+    newer lease gives every block of the older one back (the generator dropped it: when it went
+    idle, restarted, or heard of a new manager life) — refills of the older one still on their way
+    are dropped by the generator. `hints`: (block, n) runs that would keep running sequences'
+    tables consecutive, given first when free."""
+
+    number: int
+    epoch: int | None
+    lease: int
+    entries: tuple[Any, ...]  # Draw | Commit | Release, in order
+    want: int
+    reply: trio.MemorySendChannel  # the generator's inbox: the refill, and per-request failures
+    hints: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Refill:
+    """Manager → generator, at most one per report: blocks added to the reservation (held by the
+    manager under `Reservation(epoch, lease)` until drawn). `number` is the report it answers; the
+    generator takes a refill only of its current epoch and lease, and never the same one twice.
+    `free_blocks`: what the manager could still give (free or evictable) after it."""
+
     epoch: int
+    lease: int
+    number: int
+    blocks: tuple[int, ...]
     free_blocks: int
 
 

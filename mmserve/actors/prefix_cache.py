@@ -3,13 +3,19 @@ whom, which hash names which block — and is the only code that assigns a block
 
 One arena holds running sequences' KV and cached prefixes alike (`cache.block_arena`): a lookup
 puts the cached blocks of a prompt's prefix at the start of the request's block table (zero
-bytes copied), `Allocate` gives each running sequence the blocks its next tokens need (once per
-step, evicting least-recently-used cached blocks nobody references), `Commit` records that a
-full block holds what its hash names (bookkeeping), `Release` drops a request's references (its
-committed blocks stay cached). A miss registers the request as computing the missing blocks; a
-later request missing the same blocks waits for its commit instead (in-flight dedup), and
-computes them itself if it releases first or the wait times out. The tensors live with the
-generator, which writes only into blocks granted here.
+bytes copied). The generator's fresh blocks come from a **reservation**: blocks this manager
+holds under an owner of its own (`Reservation(epoch, lease)`) and hands the generator in
+`Refill`s; the generator draws from it locally, at plan time, with no message, and tells what
+each step did in one `StepReport` (never awaited): the draws (moved here from the reservation
+to the request), `Commit`s (a full block holds what its hash names: bookkeeping), `Release`s (a
+request's references dropped; its committed blocks stay cached), and how many blocks it wants in
+reserve. At most one `Refill` answers a report — free blocks first (a running sequence's next
+block when the report hints it, so its table stays consecutive), then least-recently-used cached
+blocks nobody references, evicted. So a step costs one message each way, never a round trip. A
+miss registers the request as computing the missing blocks; a later request missing the same
+blocks waits for its commit instead (in-flight dedup), and computes them itself if it releases
+first or the wait times out. The tensors live with the generator, which writes only into blocks
+it holds here (its requests' and its reservation's).
 
 Ownership is a rule of the bookkeeping, not of message timing (DESIGN.md): a block granted to a
 request stays that request's until its own Release, or until the epoch that granted it dies. So
@@ -17,7 +23,12 @@ a lookup's hits are held under a pin of their own (`lookup_pin`) until its answe
 and only then start the request's (empty) table; an answer nobody takes — the requester stopped
 waiting, or was answered already, or holds blocks the generator granted meanwhile — drops the pin
 and nothing else. Every answer to the generator that it did not take (a closed reply channel)
-takes back exactly what that answer gave.
+takes back exactly what that answer gave. A block in the reservation belongs to it alone; a
+report's draw moves only blocks the reservation really holds (any other draw is refused: that
+request fails alone with a 503, and nothing it names changes owner); a duplicate or replayed
+report (its number is not new) changes nothing; a report of a dead manager life moves nothing;
+a newer lease gives the older reservation back whole (the generator dropped it, and drops its
+refills still on their way); a restart voids the reservation with every table of its life.
 """
 
 from __future__ import annotations
@@ -29,15 +40,15 @@ from mmserve.actors.base import Actor
 from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
-    Allocate, Allocated, ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release,
-    Resume, Resumed, copy_pin, lookup_pin)
+    ClearCache, Commit, Draw, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Refill, Release,
+    Reservation, Resume, Resumed, StepReport, copy_pin, lookup_pin)
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
 from mmserve.cache.keys import key_prefix
 from mmserve.cache.shared_values import KIND_KV_BLOCK, block_key
 from mmserve.config import KVCacheConfig
-from mmserve.errors import MMServeError
+from mmserve.errors import MMServeError, ServiceUnavailable
 
 
 class PrefixCacheManager(Actor):
@@ -53,8 +64,10 @@ class PrefixCacheManager(Actor):
         self.epoch = 0
         self.generator: trio.MemorySendChannel | None = None  # told when a restart voids its tables
         self.shared = None  # the model's SharedTier (Redis), when [shared_cache] is on
-        self.kv = None  # the generator's KVArena: read to export committed blocks, written to restore
+        self.kv = None  # the generator's ModelRunner: reads committed blocks to export, writes restored ones
         self.shared_restored = 0  # blocks restored from the shared tier
+        self.last_report = -1  # the latest step report handled: kept across restarts (never reused)
+        self.refused_draws = 0  # draws of blocks the reservation did not hold (each failed its request)
         self._reset()
 
     def _reset(self) -> None:
@@ -64,6 +77,8 @@ class PrefixCacheManager(Actor):
         self.inflight: InFlightBlocks[Lookup] = InFlightBlocks()
         self.remote: dict[str, tuple[Lookup, int, float | None]] = {}  # lookups asking the shared tier
         self.looked_up: set[str] = set()  # requests whose lookup came, until their Release
+        self.lease: int | None = None  # the generator's reservation lease (None: none in this life yet)
+        self.broken: set[str] = set()  # requests a draw was refused for: their tables are not trusted
         self.epoch += 1
         if self.kv is not None:  # a step of an earlier epoch no longer writes (see `_restore`)
             self.kv.epoch = self.epoch
@@ -87,9 +102,8 @@ class PrefixCacheManager(Actor):
         """One message. A failure handling one request's Lookup or Commit fails that request alone;
         one anywhere else is a fault of the actor: it dies, and the restart voids every table of
         this epoch (the generator fails the requests that held blocks, the others go on)."""
-        if isinstance(msg, Allocate):
-            await afault("prefix.allocate")
-            self._allocate(msg)
+        if isinstance(msg, StepReport):
+            await self._report(msg)
         elif isinstance(msg, (Lookup, Commit)):
             try:
                 await self._for_request(msg)
@@ -207,21 +221,88 @@ class PrefixCacheManager(Actor):
 
     # -- the generator's blocks ----------------------------------------------------------------------
 
-    def _allocate(self, msg: Allocate) -> None:
-        granted, refused = [], []
-        for rid, n in msg.needs:
-            if refused or not self.arena.can_allocate(n):
-                refused.append(rid)
-                continue
-            taken = self.arena.allocate_evicting(rid, n)
-            evicted = [(block, h) for block, h in taken if h is not None]
-            if evicted:  # no free block was left: least recently used cached blocks made room
-                self.log.info("prefix_cache.evict", request_id=rid, blocks=[b for b, _ in evicted],
-                              hashes=[key_prefix(h) for _, h in evicted])
-            granted.append((rid, tuple(block for block, _ in taken)))
-        if not _send(msg.reply, Allocated(tuple(granted), tuple(refused), self.epoch, self.arena.num_free())):
-            for rid, blocks in granted:  # the generator stopped waiting: it never learned of them
-                self.arena.truncate(rid, len(self.arena.table(rid)) - len(blocks))
+    @property
+    def reservation(self) -> Reservation | None:
+        """The owner holding the generator's reservation in this life (None before its first report)."""
+        return Reservation(self.epoch, self.lease) if self.lease is not None else None
+
+    async def _report(self, msg: StepReport) -> None:
+        """One step of the generator: its entries in order, then at most one refill. A commit that
+        raises fails its request alone (PrefixFailed); a release that raises is this actor's fault."""
+        if msg.number <= self.last_report:  # a duplicate, or a replay: everything in it was done
+            self.log.warning("prefix_cache.report_duplicate", number=msg.number, last=self.last_report)
+            return
+        self.last_report = msg.number
+        current = msg.epoch is None or msg.epoch == self.epoch  # else its tables died with their life
+        if current and (self.lease is None or msg.lease > self.lease):
+            if self.lease is not None:  # the generator dropped the older lease, and every refill of it
+                self.log.info("prefix_cache.reservation_returned", lease=self.lease,
+                              blocks=len(self.arena.table(self.reservation)))
+                self.arena.free(self.reservation)
+            self.lease = msg.lease
+        for entry in msg.entries:
+            if isinstance(entry, Release):
+                await afault("prefix.release", entry.request_id)
+                self._release(entry)
+            elif not current:
+                continue  # a draw or commit into a table of a dead life: void, like the table
+            elif isinstance(entry, Draw):
+                self._draw(entry, msg)
+            elif isinstance(entry, Commit):
+                if entry.request_id in self.broken:
+                    continue  # its table here is not the one the generator believes: nothing is keyed by it
+                try:
+                    await self._for_request(entry)
+                except Exception as e:
+                    self._contain(entry, e)
+            else:
+                raise TypeError(f"prefix cache: unexpected step report entry {entry!r}")
+        if current and msg.lease == self.lease:
+            await self._refill(msg)
+
+    def _draw(self, entry: Draw, msg: StepReport) -> None:
+        """The drawn blocks move from the reservation to the request — only blocks the reservation
+        really holds: any other draw is refused, and the request fails alone (a 503 to retry)
+        rather than share a block with its owner. Blocks drawn later for a refused request still
+        move (they are the reservation's), and its Release settles them."""
+        rid, owner = entry.request_id, self.reservation
+        held = set(self.arena.table(owner)) if msg.lease == self.lease else set()
+        if rid not in self.broken and set(entry.blocks) <= held and len(set(entry.blocks)) == len(entry.blocks):
+            self.arena.move(owner, rid, entry.blocks)
+            return
+        if rid in self.broken:
+            self.arena.move(owner, rid, [b for b in dict.fromkeys(entry.blocks) if b in held])
+            return
+        self.broken.add(rid)
+        self.refused_draws += 1
+        self.log.error("prefix_cache.draw_refused", request_id=rid, blocks=list(entry.blocks), lease=msg.lease,
+                       reservation=sorted(held))
+        _send(msg.reply, PrefixFailed(rid, "kv reservation", ServiceUnavailable(
+            "the KV cache refused blocks this request was given; retry", retry_after_s=1.0)))
+
+    async def _refill(self, msg: StepReport) -> None:
+        """Tops the reservation up to what the generator wants, as far as free and evictable blocks
+        allow (nothing when it holds enough): hinted free blocks first, then as `allocate` gives
+        them. A refill the generator cannot take (closed channel) goes back at once."""
+        owner = self.reservation
+        before = len(self.arena.table(owner))
+        if msg.want <= before:
+            return
+        await afault("prefix.refill")
+        budget = min(msg.want - before, self.arena.num_free())
+        for first, n in msg.hints:
+            for block in range(first, min(first + n, self.num_blocks)):
+                if budget <= 0 or not self.arena.claim(owner, block):
+                    break
+                budget -= 1
+        taken = self.arena.allocate_evicting(owner, budget)
+        evicted = [(block, h) for block, h in taken if h is not None]
+        if evicted:  # no free block was left: least recently used cached blocks made room
+            self.log.info("prefix_cache.evict", request_id=str(owner), blocks=[b for b, _ in evicted],
+                          hashes=[key_prefix(h) for _, h in evicted])
+        blocks = self.arena.table(owner)[before:]
+        if not _send(msg.reply, Refill(self.epoch, self.lease, msg.number, blocks, self.arena.num_free())):
+            self.arena.truncate(owner, before)  # nobody will draw them
 
     def _resume(self, msg: Resume) -> None:
         """Preempted (empty) tables get back what is still cached of their blocks, pinned until the
@@ -284,6 +365,7 @@ class PrefixCacheManager(Actor):
                 handle.emit(event)
         rid = msg.request_id
         self.arena.free(rid)
+        self.broken.discard(rid)  # it holds nothing: its next table starts afresh
         self.arena.free(lookup_pin(rid))  # a lookup still pending for it (parked: `_done`) answers no one
         if msg.final:  # a preempted request runs again: a lookup for it is still a duplicate
             self.looked_up.discard(rid)
@@ -361,11 +443,16 @@ class PrefixCacheManager(Actor):
         for lookup, _, _ in self.remote.values():
             _send(lookup.reply, LookupResult(lookup.request_id, (), 0.0, self.epoch + 1))
         self._reset()  # references of requests that will never finish go with the bookkeeping
+        if self.generator is not None:  # at once, not at the restart: it stops writing the void tables now
+            _send(self.generator, KVEpoch(self.epoch))
         return failed
 
     def stats(self) -> dict:
         s = self.arena.stats()
-        return dict(s.__dict__, block_size=self.block_size, waiting_lookups=len(self.inflight),
+        reserved = len(self.arena.table(self.reservation)) if self.lease is not None else 0
+        # blocks held by requests (and pins); the reservation's, not yet anyone's, apart
+        return dict(s.__dict__, referenced_blocks=s.referenced_blocks - reserved, reserved_blocks=reserved,
+                    refused_draws=self.refused_draws, block_size=self.block_size, waiting_lookups=len(self.inflight),
                     inflight_blocks=self.inflight.registered_blocks, dedup_waits=self.dedup_waits,
                     hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size,
                     shared_restored_blocks=self.shared_restored)

@@ -26,7 +26,9 @@ registers a hash at most once (a duplicate stays private), one content per block
 starts an empty table and `transfer` hands a table to an owner holding nothing (hits never shift
 the indices of blocks an owner holds); eviction is least recently *released* first, a chain
 from its tail, and a hit takes a block out of the LRU order (F5); `can_allocate(n)` is true
-exactly when `allocate(owner, n)` would succeed.
+exactly when `allocate(owner, n)` would succeed; `claim` takes one named free block as `allocate`
+would, and `move` hands blocks from one table to another without touching a refcount (a
+reservation's blocks drawn by a request).
 """
 
 from __future__ import annotations
@@ -189,6 +191,35 @@ class BlockArena:
         self._referenced += n
         self._allocated_blocks += n
         return out
+
+    def claim(self, owner: Hashable, block: int) -> bool:
+        """`block` appended to `owner`'s table when it is free (refcount 1, no hash), as `allocate`
+        would give it; False, changing nothing, when it is not free (referenced or evictable)."""
+        self._check_block(block)
+        hash(owner)
+        if block not in self._free:
+            return False
+        self._free.take(block)
+        self._refs[block] = 1
+        self._tables.setdefault(owner, []).append(block)
+        self._referenced += 1
+        self._allocated_blocks += 1
+        return True
+
+    def move(self, src: Hashable, dst: Hashable, blocks: Sequence[int]) -> None:
+        """`blocks`, each in `src`'s table, leave it and are appended to `dst`'s table in this order
+        (blocks drawn from a reservation: refcounts unchanged). ValueError, changing nothing, when
+        one is not in `src`'s table, is named twice, or `src` is `dst`."""
+        table = self._tables.get(src, [])
+        if src == dst or len(set(blocks)) != len(blocks) or not set(blocks) <= set(table):
+            raise ValueError(f"cannot move blocks {list(blocks)} from {src!r} (holding {table}) to {dst!r}")
+        if not blocks:
+            return
+        gone = set(blocks)
+        table[:] = [b for b in table if b not in gone]
+        if not table:
+            del self._tables[src]
+        self._tables.setdefault(dst, []).extend(blocks)
 
     def share(self, src: Hashable, dst: Hashable, start: int, count: int) -> list[int]:
         """Blocks [start, start + count) of `src`'s table appended to `dst`'s, each with one more

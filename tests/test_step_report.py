@@ -1,0 +1,68 @@
+"""One message each way per step between the generator and the KV cache manager (issue 29).
+
+The generator draws its blocks from a reservation the manager refills; each step it sends at most
+one `StepReport` (draws, commits, releases) and gets at most one `Refill` back, never waiting for
+it — and a step that changed nothing sends nothing. Counted here on the real runtime, over a run
+of steps with no forks or resumes (lookups are intake's, not the generator's)."""
+
+from __future__ import annotations
+
+import trio
+
+from mmserve import Runtime
+from mmserve.actors.messages import Draw, Refill, StepReport
+from tests.helpers import assert_nothing_held
+
+PROMPTS = ["what colour is the sky", "name a shape", "count to three"]
+
+
+async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_config):
+    async with Runtime.open(demo_config) as rt:
+        generator = rt.registry.require("demo").generator
+        sent, received = [], []  # (step, in a step round, message) / (step, message)
+        manager, on_message, step_round = generator.cache_manager, generator._on_message, generator._step_round
+        rounds = {"in": False}
+
+        class Counting:
+            def send_nowait(self, msg):
+                sent.append((generator.steps, rounds["in"], msg))
+                manager.send_nowait(msg)
+
+        def counting_on_message(msg):
+            if isinstance(msg, Refill):
+                received.append((generator.steps, msg))
+            on_message(msg)
+
+        async def counting_step_round():
+            rounds["in"] = True
+            try:
+                return await step_round()
+            finally:
+                rounds["in"] = False
+
+        generator.cache_manager = Counting()
+        generator._on_message = counting_on_message
+        generator._step_round = counting_step_round
+        first = generator.steps
+        async with trio.open_nursery() as nursery:
+            for text in PROMPTS:
+                nursery.start_soon(lambda t=text: rt.chat_completion([{"role": "user", "content": t}], temperature=0,
+                                                                    max_tokens=40, min_tokens=40))
+        await assert_nothing_held(rt)
+        steps = generator.steps - first
+
+    assert all(isinstance(m, StepReport) for _, _, m in sent), [type(m).__name__ for _, _, m in sent]
+    in_steps = [(step, m) for step, inside, m in sent if inside]
+    # one report per step, sent before its forward; one refill (at most) taken per step
+    for step in {s for s, _ in in_steps}:
+        assert sum(s == step for s, _ in in_steps) <= 1, step
+    for step in {s for s, _ in received}:
+        assert sum(s == step for s, _ in received) <= 1, step
+    assert len(received) <= len(sent)
+    # a step's report says something: draws, commits or releases (nothing asked for in vain)
+    assert all(m.entries for _, m in in_steps)
+    # most steps change nothing (a decode token inside a block it holds): they send nothing
+    assert steps >= 40 and len(in_steps) <= steps // 3, (steps, len(in_steps))
+    # outside steps: asking for the first blocks (the reserve is empty when idle), giving them back at the end
+    assert len(sent) - len(in_steps) <= 3, [(s, m.entries, m.want) for s, inside, m in sent if not inside]
+    assert any(isinstance(e, Draw) for _, m in in_steps for e in m.entries)
