@@ -100,6 +100,7 @@ class GrantBook:
         self.manager_free: int | None = None  # what the manager could still give, at its last refill
         self.exhausted = False  # the answer to the latest report: nothing left to give
         self.starved = False  # the last plan had tokens no block could be drawn for
+        self.stuck_need = 0  # the most blocks one of those needed
         self.reports = 0
         self.refills = 0
 
@@ -139,9 +140,12 @@ class BlockGrants:
                 if tokens <= 0:
                     stuck.append(p)
                     continue
+                n = max(0, blocks_for(p.seq.kv_len + tokens, self.block_size) - p.seq.table_len)
                 self._draw(p.seq, n)
                 going.append(p if tokens == p.tokens else Planned(p.seq, tokens, n, False))
         g.starved = bool(stuck)
+        # a chunk that cannot be cut (a bidirectional span) may need more than the reserve's cap
+        g.stuck_need = max((p.new_blocks for p in stuck), default=0)
         if not stuck or g.due_since is not None or not g.exhausted:
             return going  # what waits may be covered by the refill asked for (or to ask for)
         decode = any(p.decode for p in stuck)
@@ -227,7 +231,7 @@ class BlockGrants:
             self.log.warning("generator.refill_timeout", waited_s=round(now - g.due_since, 3))
             g.due_since = None  # asked again below
         need = self._need(plan)
-        cap = max(1, self.kv.num_blocks // RESERVE_SHARE)
+        cap = max(1, self.kv.num_blocks // RESERVE_SHARE, g.stuck_need if g.starved else 0)
         # the reserve to hold: the next step's draws, plus RESERVE_SLACK for requests that arrive
         # meanwhile (none when idle); asked for only when the next step's draws are not covered
         want = 0 if need is None else min(need + RESERVE_SLACK, cap)
