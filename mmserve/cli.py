@@ -125,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.preset:
         if args.preset not in PRESETS and args.preset not in QWEN_PRESETS:
             print(f"mmserve bench: unknown preset {args.preset!r}; LLaVA: {', '.join(PRESETS)}; "
-                  f"Qwen2-VL / Qwen2.5-VL: {', '.join(QWEN_PRESETS)}", file=sys.stderr)
+                  f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL: {', '.join(QWEN_PRESETS)}", file=sys.stderr)
             return 2
         params = replace(params, preset=args.preset)
     if args.scenarios:
@@ -213,12 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", action="append", help="train only this demo model (repeatable)")
     t.set_defaults(func=_train_demo)
 
-    m = sub.add_parser("make-model", help="build a random-weight LLaVA, Qwen2-VL, Qwen2.5-VL or LLaVA-OneVision checkpoint of a "
-                       "preset shape")
+    m = sub.add_parser("make-model", help="build a random-weight LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or "
+                       "LLaVA-OneVision checkpoint of a preset shape")
     m.add_argument("--preset", default="bench", help="LLaVA: tiny | demo | demo-wide | bench | llava-7b (~14 GB, "
                    "bfloat16); Qwen2-VL: tiny-qwen | demo-qwen | bench-qwen | qwen2-vl-7b (~15 GB, bfloat16); "
-                   "Qwen2.5-VL: tiny-qwen2.5-vl | qwen2.5-vl-7b (~14 GB, bfloat16); LLaVA-OneVision: "
-                   "tiny-llava-onevision | llava-onevision-7b (~14 GB, bfloat16)")
+                   "Qwen2.5-VL: tiny-qwen2.5-vl | qwen2.5-vl-7b (~14 GB, bfloat16); Qwen3-VL: tiny-qwen3-vl | "
+                   "qwen3-vl-8b (~15 GB, bfloat16); LLaVA-OneVision: "
+                   "tiny-llava-onevision | llava-onevision-7b (~14 GB, bfloat16); Idefics3/SmolVLM: "
+                   "tiny-idefics3 | smolvlm-2b (~4 GB, bfloat16); Gemma 3: tiny-gemma3 | gemma3-4b (~8 GB, "
+                   "bfloat16)")
     m.add_argument("--out", required=True, help="the directory to write the checkpoint into (created if missing); "
                    "serve it with `mmserve serve --model DIR`")
     m.add_argument("--seed", type=int, default=0, help="the seed of the random weights (default: 0); a seed always "
@@ -226,17 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--random-weights", action="store_true", help="write no weight file: config, processor, "
                    "tokenizer and a marker (mmserve-random-weights.json: seed, dtype, silenced tokens); mmserve "
                    "draws the weights from the seed when it loads the directory, directly on its device "
-                   "(seconds, even for llava-7b / qwen2-vl-7b / qwen2.5-vl-7b on a GPU)")
+                   "(seconds, even for llava-7b / qwen2-vl-7b / qwen2.5-vl-7b / qwen3-vl-8b on a GPU)")
     m.set_defaults(func=_make_model)
 
     b = sub.add_parser("bench", help="benchmark mmserve side by side with raw transformers and with its caches off")
-    b.add_argument("--model-dir", help="a LLaVA, Qwen2-VL or Qwen2.5-VL checkpoint, the family read from its "
+    b.add_argument("--model-dir", help="a LLaVA, Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint, the family read from its "
                    "config.json (default: build the random-weight --preset into <out>/<preset>-model, reused when "
                    "present)")
     b.add_argument("--preset", help="the random-weight model to build without --model-dir: bench (LLaVA, the "
-                   "default) or bench-qwen (Qwen2-VL); tiny / tiny-qwen / tiny-qwen2.5-vl for tests; llava-7b / "
-                   "qwen2-vl-7b / qwen2.5-vl-7b (the real 7B shapes, for a GPU: always built as random-weights "
-                   "directories)")
+                   "default) or bench-qwen (Qwen2-VL); tiny / tiny-qwen / tiny-qwen2.5-vl / tiny-qwen3-vl for tests; "
+                   "llava-7b / qwen2-vl-7b / qwen2.5-vl-7b / qwen3-vl-8b (the real 7-8B shapes, for a GPU: always "
+                   "built as random-weights directories)")
     b.add_argument("--random-weights", action="store_true", help="build the preset as a random-weights directory "
                    "(config and processor, no weights file; every side draws the same weights from its seed, "
                    "directly on the device) into <out>/<preset>-random-model")

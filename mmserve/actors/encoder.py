@@ -225,7 +225,7 @@ class Encoder(Actor):
         asked = [(m, salt) for m in misses if m.key is not None for salt in m.salts]
         if not asked:
             return misses
-        hidden = getattr(self.adapter.text_config, "hidden_size", None)
+        hidden = self.adapter.encoder_width
         shapes = [(m.prompt.spans[m.index].length, hidden) for m, _ in asked]
         tensors = await self.shared.get_many(KIND_ENCODER, [self._shared_key(m, salt) for m, salt in asked],
                                              self.adapter.dtype, shapes)

@@ -188,25 +188,42 @@ class SuffixPrefill:
 
     def _prompt(self, messages: list[dict]):
         """(embeddings [1, T, H], M-RoPE positions [3, T] or None, T) of the whole prompt."""
+        inputs, positions, n = self._steps(messages)
+        return inputs(0, n)[0], positions, n
+
+    def _steps(self, messages: list[dict]):
+        """(inputs, M-RoPE positions [3, T] or None, T) of the whole prompt: `inputs(start, end)`
+        gives tokens [start, end)'s embeddings [1, end - start, H] and the family's language-model
+        arguments (Qwen3-VL's DeepStack rows), from the image rows over them, as the generator
+        cuts them (`Adapter.step_inputs`)."""
         a = self.adapter
         msgs, images = hf_prompt(messages)
         prompt = a.tokenize(msgs, images)
         embeds = a.encode_images(a.pixel_values(images)) if images else []
-        full = a.embed(prompt.input_ids, [(s.start, e) for s, e in zip(prompt.spans, embeds)])
         n = len(prompt.input_ids)
-        return full, a.rope_positions(prompt, n, 0, n), n
+
+        def inputs(start: int, end: int) -> tuple[torch.Tensor, dict]:
+            pieces = []
+            for span, emb in zip(prompt.spans, embeds):
+                lo, hi = max(span.start, start), min(span.start + span.length, end)
+                if lo < hi:
+                    pieces.append((lo - start, emb[lo - span.start:hi - span.start]))
+            return a.step_inputs(prompt.input_ids[start:end], pieces)
+
+        return inputs, a.rope_positions(prompt, n, 0, n), n
 
     @torch.inference_mode()
     def time(self, messages: list[dict], hit: int, repeats: int = 3) -> tuple[float, int]:
         """(median seconds, suffix tokens) of prefilling the tokens after `hit`."""
-        full, positions, n = self._prompt(messages)
-        prefix = self.prefill(full[:, :hit], None, 0, _cols(positions, 0, hit)).cache if hit else None
+        inputs, positions, n = self._steps(messages)
+        prefix = self._prefill(inputs(0, hit), None, 0, _cols(positions, 0, hit)).cache if hit else None
+        suffix = inputs(hit, n)
         times = []
         for _ in range(repeats):
             cache = self._copy(prefix)
             sync(self.adapter.device)  # the copy (and anything before it) is not part of the time
             t0 = perf_counter()
-            self.prefill(full[:, hit:], cache, hit, _cols(positions, hit, n))
+            self._prefill(suffix, cache, hit, _cols(positions, hit, n))
             sync(self.adapter.device)
             times.append(perf_counter() - t0)
         return median(times), n - hit
@@ -214,23 +231,27 @@ class SuffixPrefill:
     @torch.inference_mode()
     def suffix_logits(self, messages: list[dict], hit: int) -> torch.Tensor:
         """The last position's logits after the suffix prefill (what `time` times), for tests."""
-        full, positions, n = self._prompt(messages)
-        prefix = self.prefill(full[:, :hit], None, 0, _cols(positions, 0, hit)).cache if hit else None
-        return self.prefill(full[:, hit:], prefix, hit, _cols(positions, hit, n)).logits
+        inputs, positions, n = self._steps(messages)
+        prefix = self._prefill(inputs(0, hit), None, 0, _cols(positions, 0, hit)).cache if hit else None
+        return self._prefill(inputs(hit, n), prefix, hit, _cols(positions, hit, n)).logits
+
+    def _prefill(self, step: tuple[torch.Tensor, dict], cache, start: int, positions) -> StepOutput:
+        embeds, lm_kwargs = step
+        return self.prefill(embeds, cache, start, positions, lm_kwargs=lm_kwargs)
 
     @torch.inference_mode()
     def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None, start: int,
-                positions: torch.Tensor | None) -> StepOutput:
+                positions: torch.Tensor | None, lm_kwargs: dict | None = None) -> StepOutput:
         """The text model over [1, T, H] embeddings after `start` cached positions. 1-D positions:
         the adapter's own prefill (LLaVA). M-RoPE: `positions` [3, T] are passed as position_ids
         [3, 1, T], since the language model's default (index, equal in all three) is wrong for every
-        token at or after an image."""
+        token at or after an image; `lm_kwargs` (the family's, from `step_inputs`) with them."""
         a = self.adapter
         if positions is None:
             return a.prefill(inputs_embeds, cache, start=start)
         cache = cache if cache is not None else DynamicCache(config=a.text_config)
         out = a.model.model.language_model(inputs_embeds=inputs_embeds, position_ids=positions.to(a.device).unsqueeze(1),
-                                           past_key_values=cache, use_cache=True)
+                                           past_key_values=cache, use_cache=True, **(lm_kwargs or {}))
         logits = a.model.lm_head(out.last_hidden_state[:, -1, :])
         return StepOutput(logits.float(), out.past_key_values)
 

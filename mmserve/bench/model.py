@@ -9,12 +9,13 @@ their logits are 0 while the best of the ~200 others is positive, so greedy deco
 them. Shapes and costs are those of the preset; nothing else changes.
 
 Every family is built this way: LLaVA presets (`bench`, `tiny`, ...), Qwen2-VL ones (`bench-qwen`,
-`tiny-qwen`, ...) and Qwen2.5-VL ones (`tiny-qwen2.5-vl`, `qwen2.5-vl-7b`; the Qwen tokenizer's
-vision tokens are special, so a random Qwen model never emits an image pad either). Which family a
-checkpoint is comes from its config.json, as for `mmserve serve`.
+`tiny-qwen`, ...), Qwen2.5-VL ones (`tiny-qwen2.5-vl`, `qwen2.5-vl-7b`) and Qwen3-VL ones
+(`tiny-qwen3-vl`, `qwen3-vl-8b`; the Qwen tokenizer's vision tokens are special, so a random Qwen
+model never emits an image pad either). Which family a checkpoint is comes from its config.json,
+as for `mmserve serve`.
 
 Presets too large for a weights file to be worth writing (`llava-7b`, `qwen2-vl-7b`,
-`qwen2.5-vl-7b`), or any preset with `random_weights`, are built as random-weights directories
+`qwen2.5-vl-7b`, `qwen3-vl-8b`), or any preset with `random_weights`, are built as random-weights directories
 instead (no weight file; the model is drawn from a seed, on the device, where it is loaded:
 mmserve.models.random_weights). Their silenced tokens are the same ones, listed in the
 directory's marker and zeroed at load.
@@ -35,17 +36,17 @@ from mmserve.models.random_weights import remove_marker, silence, silent_token_i
 
 MARKER = "bench-model.json"
 QWEN = "qwen2_vl"
-QWEN_FAMILIES = frozenset({QWEN, "qwen2_5_vl"})
+QWEN_FAMILIES = frozenset({QWEN, "qwen2_5_vl", "qwen3_vl"})
 """model_types run the Qwen2-VL way: dynamic image sizes, inputs built by hand, M-RoPE positions."""
-RANDOM_ONLY = frozenset({"llava-7b", "qwen2-vl-7b", "qwen2.5-vl-7b"})
+RANDOM_ONLY = frozenset({"llava-7b", "qwen2-vl-7b", "qwen2.5-vl-7b", "qwen3-vl-8b"})
 """Presets the benchmark always builds as random-weights directories (a weights file of 14-15 GB
 would only be written to be read back)."""
 
 
 def family(model_dir) -> str:
-    """The checkpoint's model_type as the benchmark treats it: "qwen2_vl" or "qwen2_5_vl", else
-    "llava" (a directory without a readable config.json is refused by `load_adapter` before the
-    benchmark reaches it)."""
+    """The checkpoint's model_type as the benchmark treats it: "qwen2_vl", "qwen2_5_vl" or
+    "qwen3_vl", else "llava" (a directory without a readable config.json is refused by
+    `load_adapter` before the benchmark reaches it)."""
     kind = model_type(model_dir)
     return kind if kind in QWEN_FAMILIES else "llava"
 

@@ -13,8 +13,9 @@ Covered: every size layout transformers' `PilBackend.resize` understands (CLIPIm
 CLIPImageProcessorPil among them: `{"shortest_edge"}`, `{"shortest_edge", "longest_edge"}`,
 `{"max_height", "max_width"}`, `{"height", "width"}`), then `center_crop` and `pad`; and Qwen2-VL
 style processors (`smart_resize` between min_pixels and max_pixels, then patches repeated
-`temporal_patch_size` times). Any other layout raises UnknownLayout rather than guess low; then
-`check_image_size` bounds only the decoded image (and the registry warns when the model loads).
+`temporal_patch_size` times); and Idefics3 style ones (the longest edge, then up to whole tiles,
+then the tiles and the global view). Any other layout raises UnknownLayout rather than guess low;
+then `check_image_size` bounds only the decoded image (and the registry warns when the model loads).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def processing_steps(image_processor: Any, width: int, height: int) -> tuple[Ste
     decoded = Step("decoded", height, width)
     if _is_qwen_style(image_processor):
         return (decoded, *_qwen_steps(image_processor, height, width))
+    if _is_idefics3_style(image_processor):
+        return (decoded, *_idefics3_steps(image_processor, height, width))
     return (decoded, *_resize_crop_pad_steps(image_processor, height, width))
 
 
@@ -193,6 +196,29 @@ def _smart_resize() -> Callable[..., tuple[int, int]]:
         except (ImportError, AttributeError):
             continue
     raise UnknownLayout("this transformers has no Qwen2-VL smart_resize to bound the pixels with")
+
+
+# --- Idefics3 ------------------------------------------------------------------------------------
+
+
+def _is_idefics3_style(ip: Any) -> bool:
+    """Idefics3 style processors resize to a longest edge, then up to whole tiles they cut; they say
+    so by having a tile size (`max_image_size`) and `do_image_splitting`."""
+    return all(hasattr(ip, a) for a in ("max_image_size", "do_image_splitting"))
+
+
+def _idefics3_steps(ip: Any, height: int, width: int) -> list[Step]:
+    """`resize` to the longest edge, `resize_for_vision_encoder` up to whole tiles, then the tiles
+    and the global view (mmserve.models.idefics3 holds the processor's arithmetic)."""
+    from mmserve.models.idefics3 import image_grid, processed_sizes
+
+    resized, tiled = processed_sizes(ip, height, width)
+    rows, cols = image_grid(ip, height, width)
+    tile = int(_size_fields(ip.max_image_size)["longest_edge"])
+    steps = [Step("resize", *resized)]
+    if tiled is not None:
+        steps.append(Step("resize to whole tiles", *tiled))
+    return [*steps, Step("tiles and global view", tile, tile, rows * cols + 1)]
 
 
 # --- helpers -------------------------------------------------------------------------------------

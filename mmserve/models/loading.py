@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from mmserve.models.adapter import Adapter
 
 FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL",
-            "llava_onevision": "LLaVA-OneVision"}
+            "llava_onevision": "LLaVA-OneVision", "qwen3_vl": "Qwen3-VL",
+            "idefics3": "Idefics3/SmolVLM", "gemma3": "Gemma 3"}
 """model_type -> family name, for every family mmserve serves."""
 
 
@@ -60,9 +61,10 @@ def check_checkpoint(name: str, path: str | Path) -> str:
 
 def check_attention(name: str, path: str | Path) -> None:
     """Refuses (UnsupportedAttentionFeature) a checkpoint whose language model needs an attention
-    feature the serving path does not implement — a sliding window, bidirectional image spans,
-    soft-capping — before its weights load: served anyway, it would give wrong answers, not an
-    error. The serving path's attention is `models.paged`, what the sdpa backend implements."""
+    feature the serving path does not implement — soft-capping today; sliding windows and
+    bidirectional image spans are implemented — before its weights load: served anyway, it would
+    give wrong answers, not an error. The serving path's attention is `models.paged`, what the sdpa
+    backend implements (the runner checks the configured backend again)."""
     from transformers import AutoConfig
 
     from mmserve.attention.backend import ModelFeatures, SdpaBackend, UnsupportedAttentionFeature
@@ -82,8 +84,14 @@ def load_adapter(name: str, path: str | Path, device: str = "cpu", dtype: str = 
         from mmserve.models.qwen2_vl import Qwen2VLAdapter as cls
     elif kind == "qwen2_5_vl":
         from mmserve.models.qwen2_5_vl import Qwen2_5_VLAdapter as cls
+    elif kind == "qwen3_vl":
+        from mmserve.models.qwen3_vl import Qwen3VLAdapter as cls
     elif kind == "llava_onevision":
         from mmserve.models.llava_onevision import LlavaOnevisionAdapter as cls
+    elif kind == "idefics3":
+        from mmserve.models.idefics3 import Idefics3Adapter as cls
+    elif kind == "gemma3":
+        from mmserve.models.gemma3 import Gemma3Adapter as cls
     else:
         from mmserve.models.llava import LlavaAdapter as cls
     return cls(name, path, device=device, dtype=dtype, hash_algorithm=hash_algorithm)

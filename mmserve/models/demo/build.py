@@ -241,12 +241,26 @@ def build_untrained(preset: str, out_dir, seed: int = 0, random_weights: bool = 
     ``random_weights``: save no weights, only the config, processor and a marker; the model is
     drawn from ``seed`` where it is loaded (:mod:`mmserve.models.random_weights`).
     Qwen2-VL preset names (``tiny-qwen``, ``bench-qwen``, ...) go to :mod:`.qwen`, LLaVA-OneVision
-    ones (``tiny-llava-onevision``, ``llava-onevision-7b``) to :mod:`.onevision`.
+    ones (``tiny-llava-onevision``, ``llava-onevision-7b``) to :mod:`.onevision`, Idefics3 ones
+    (``tiny-idefics3``, ``smolvlm-2b``) to :mod:`.idefics3`, Gemma 3 ones (``tiny-gemma3``,
+    ``gemma3-4b``) to :mod:`.gemma3`.
     """
     from .qwen import QWEN_PRESETS, build_untrained_qwen, write_random_qwen  # lazy: most callers build LLaVA only
 
     from .onevision import ONEVISION_PRESETS, build_untrained_onevision, write_random_onevision
 
+    from .idefics3 import IDEFICS3_PRESETS, build_untrained_idefics3, write_random_idefics3
+
+    from .gemma3 import GEMMA3_PRESETS, build_untrained_gemma3, write_random_gemma3
+
+    if isinstance(preset, str) and preset in GEMMA3_PRESETS:
+        if random_weights:
+            return write_random_gemma3(preset, out_dir, seed=seed)
+        return build_untrained_gemma3(preset, out_dir, seed=seed)
+    if isinstance(preset, str) and preset in IDEFICS3_PRESETS:
+        if random_weights:
+            return write_random_idefics3(preset, out_dir, seed=seed)
+        return build_untrained_idefics3(preset, out_dir, seed=seed)
     if isinstance(preset, str) and preset in ONEVISION_PRESETS:
         if random_weights:
             return write_random_onevision(preset, out_dir, seed=seed)

@@ -1,9 +1,10 @@
-"""Qwen2-VL and Qwen2.5-VL presets and builders: the trained ``demo-qwen`` and random-weight shapes.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL presets and builders: the trained ``demo-qwen`` and random-weight shapes.
 
 Every preset is a plain ``Qwen2VLForConditionalGeneration`` (a :class:`Qwen25Preset`:
 ``Qwen2_5_VLForConditionalGeneration``, whose vision tower has window attention and an MLP of its
-own width; its text model, M-RoPE and image processor are Qwen2-VL's) saved with
-``save_pretrained`` next to
+own width; its text model, M-RoPE and image processor are Qwen2-VL's; a :class:`Qwen3Preset`:
+``Qwen3VLForConditionalGeneration``, DeepStack, a Qwen3 text model with interleaved M-RoPE, the
+same image processor normalising with 0.5) saved with ``save_pretrained`` next to
 the demo byte-level BPE tokenizer (Qwen's vision tokens, :func:`.tokenizer.build_qwen_tokenizer`)
 and a ``Qwen2VLImageProcessorPil``. ``Qwen2VLProcessor`` is never built: its video processor needs
 torchvision. A checkpoint directory therefore loads, offline, with three calls::
@@ -25,7 +26,7 @@ from typing import ClassVar
 
 import torch
 from transformers import (AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig,
-                          Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil)
+                          Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen3VLConfig)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmserve.config import DEMO_CHECKPOINTS
@@ -92,6 +93,25 @@ class Qwen25Preset(QwenPreset):
     tokens_per_second: int = 2  # video only (temporal positions); images do not use it
 
 
+@dataclasses.dataclass(frozen=True)
+class Qwen3Preset(QwenPreset):
+    """Sizes of one Qwen3-VL model. Its vision tower has learned position embeddings
+    (``num_position_embeddings``, a square grid resampled to each image's), blocks of width
+    ``vision_embed`` with an MLP of ``vision_intermediate``, and DeepStack: the outputs of the
+    blocks in ``deepstack_indexes``, each merged by a merger of its own, are added to the hidden
+    states of the first ``len(deepstack_indexes)`` text layers at the image positions. The text
+    model (Qwen3: q/k norms) has a head size of its own (``text_head_dim``) and interleaved
+    M-RoPE; the image processor normalises with mean = std = 0.5."""
+
+    model_type: ClassVar[str] = "qwen3_vl"
+
+    vision_intermediate: int = 0
+    num_position_embeddings: int = 2304  # a sqrt x sqrt grid of learned positions
+    deepstack_indexes: tuple[int, ...] = ()
+    text_head_dim: int = 128
+    tie_word_embeddings: bool = False
+
+
 QWEN_PRESETS: dict[str, QwenPreset] = {
     # trained demo model: 32..128 px images give 4..64 tokens
     "demo-qwen": QwenPreset(
@@ -145,6 +165,26 @@ QWEN_PRESETS: dict[str, QwenPreset] = {
         text_hidden=3584, text_layers=28, text_heads=28, text_kv_heads=4, text_intermediate=18944,
         mrope_section=(16, 24, 24), max_position_embeddings=128000, dtype="bfloat16",
     ),
+    # Qwen3-VL, random weights, smallest: 4 vision blocks, DeepStack from blocks 0, 1 and 3 into
+    # the first 3 of 4 text layers; 32..128 px images give 4..64 tokens
+    "tiny-qwen3-vl": Qwen3Preset(
+        name="tiny-qwen3-vl",
+        patch_size=8, merge_size=2, min_pixels=32 * 32, max_pixels=128 * 128,
+        vision_embed=32, vision_depth=4, vision_heads=2, vision_intermediate=64,
+        num_position_embeddings=64, deepstack_indexes=(0, 1, 3),
+        text_hidden=64, text_layers=4, text_heads=4, text_kv_heads=2, text_intermediate=128, text_head_dim=32,
+        mrope_section=(6, 5, 5), rope_theta=1e4,
+    ),
+    # Qwen3-VL-8B-Instruct's real shape (the demo vocabulary; its processor's settings: patch 16,
+    # 256^2..4096^2 px); 7.5e9 parameters, ~15 GB in bfloat16: built only on request
+    "qwen3-vl-8b": Qwen3Preset(
+        name="qwen3-vl-8b",
+        patch_size=16, merge_size=2, min_pixels=65536, max_pixels=16777216,
+        vision_embed=1152, vision_depth=27, vision_heads=16, vision_intermediate=4304,
+        num_position_embeddings=2304, deepstack_indexes=(8, 16, 24),
+        text_hidden=4096, text_layers=36, text_heads=32, text_kv_heads=8, text_intermediate=12288, text_head_dim=128,
+        mrope_section=(24, 20, 20), rope_theta=5e6, max_position_embeddings=262144, dtype="bfloat16",
+    ),
 }
 
 
@@ -154,7 +194,7 @@ def get_qwen_preset(preset: str | QwenPreset) -> QwenPreset:
     try:
         return QWEN_PRESETS[preset]
     except KeyError:
-        raise ValueError(f"unknown Qwen2-VL / Qwen2.5-VL preset {preset!r}; expected one of "
+        raise ValueError(f"unknown Qwen2-VL / Qwen2.5-VL / Qwen3-VL preset {preset!r}; expected one of "
                          f"{sorted(QWEN_PRESETS)}") from None
 
 
@@ -165,14 +205,19 @@ def build_image_processor(preset: str | QwenPreset) -> Qwen2VLImageProcessorPil:
         merge_size=p.merge_size,
         temporal_patch_size=p.temporal_patch_size,
         size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+        # Qwen3-VL normalises with 0.5 (its checkpoints' preprocessor_config.json); Qwen2(.5)-VL with CLIP's
+        **(dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if isinstance(p, Qwen3Preset) else {}),
     )
-    # saved beside `size` (as in Qwen's own checkpoints) for loaders that read the old keys
-    ip.min_pixels, ip.max_pixels = p.min_pixels, p.max_pixels
+    if not isinstance(p, Qwen3Preset):  # Qwen3-VL's checkpoints save `size` only
+        # saved beside `size` (as in Qwen's own checkpoints) for loaders that read the old keys
+        ip.min_pixels, ip.max_pixels = p.min_pixels, p.max_pixels
     return ip
 
 
-def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig | Qwen2_5_VLConfig:
+def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig:
     p = get_qwen_preset(preset)
+    if isinstance(p, Qwen3Preset):
+        return _qwen3_config(p, tokenizer)
     head_dim = p.text_hidden // p.text_heads
     if sum(p.mrope_section) * 2 != head_dim:
         raise ValueError(f"{p.name}: mrope_section {p.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
@@ -228,9 +273,59 @@ def build_qwen_config(preset: str | QwenPreset, tokenizer) -> Qwen2VLConfig | Qw
     return config
 
 
+def _qwen3_config(p: Qwen3Preset, tokenizer) -> Qwen3VLConfig:
+    if sum(p.mrope_section) * 2 != p.text_head_dim:
+        raise ValueError(f"{p.name}: mrope_section {p.mrope_section} must sum to head_dim/2 = {p.text_head_dim // 2}")
+    side = int(p.num_position_embeddings ** 0.5)
+    if side * side != p.num_position_embeddings:
+        raise ValueError(f"{p.name}: num_position_embeddings {p.num_position_embeddings} is not a square grid")
+    if any(not 0 <= i < p.vision_depth for i in p.deepstack_indexes) or len(p.deepstack_indexes) > p.text_layers:
+        raise ValueError(f"{p.name}: deepstack_indexes {p.deepstack_indexes} must be vision blocks (depth "
+                         f"{p.vision_depth}), at most one per text layer ({p.text_layers})")
+    vision = dict(
+        depth=p.vision_depth,
+        hidden_size=p.vision_embed,
+        intermediate_size=p.vision_intermediate,
+        num_heads=p.vision_heads,
+        out_hidden_size=p.text_hidden,  # the mergers' outputs feed the text model directly
+        num_position_embeddings=p.num_position_embeddings,
+        deepstack_visual_indexes=list(p.deepstack_indexes),
+        patch_size=p.patch_size,
+        spatial_merge_size=p.merge_size,
+        temporal_patch_size=p.temporal_patch_size,
+    )
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=p.text_hidden,
+        intermediate_size=p.text_intermediate,
+        num_hidden_layers=p.text_layers,
+        num_attention_heads=p.text_heads,
+        num_key_value_heads=p.text_kv_heads,
+        head_dim=p.text_head_dim,
+        max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": p.rope_theta,
+                         "mrope_section": list(p.mrope_section), "mrope_interleaved": True},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.image_token_id,
+        video_token_id=tokenizer.video_token_id,
+        vision_start_token_id=tokenizer.vision_start_token_id,
+        vision_end_token_id=tokenizer.vision_end_token_id,
+        tie_word_embeddings=p.tie_word_embeddings,
+    )
+    config.dtype = p.dtype
+    return config
+
+
 def build_qwen_model(preset: str | QwenPreset, tokenizer, seed: int = 0) -> Qwen2VLForConditionalGeneration:
-    """The preset's model (Qwen2VL- or Qwen2_5_VLForConditionalGeneration) with transformers'
-    own random init from `seed`."""
+    """The preset's model (Qwen2VL-, Qwen2_5_VL- or Qwen3VLForConditionalGeneration) with
+    transformers' own random init from `seed`."""
     p = get_qwen_preset(preset)
     config = build_qwen_config(p, tokenizer)
     torch.manual_seed(seed)
@@ -260,8 +355,8 @@ def build_untrained_qwen(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
 
 
 def write_random_qwen(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
-    """A random-weights directory of a Qwen2-VL or Qwen2.5-VL preset: config, tokenizer, image processor and the
-    marker, no weight file (:mod:`mmserve.models.random_weights`)."""
+    """A random-weights directory of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL preset: config, tokenizer,
+    image processor and the marker, no weight file (:mod:`mmserve.models.random_weights`)."""
     p = get_qwen_preset(preset)
     tok = build_qwen_tokenizer()
     return write_random_weights(out_dir, build_qwen_config(p, tok), generation_config(tok),
