@@ -32,7 +32,7 @@ import torch
 from mmserve.attention import AttentionBackend, ModelFeatures, PagedMetadata, select
 from mmserve.generation.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
 from mmserve.models.paged import KVArena, PagedBatch, Segment
-from mmserve.models.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, language_model, \
+from mmserve.models.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, \
     step_positions, use_paged_attention
 
 
@@ -177,6 +177,6 @@ class ModelRunner:
         if self.rope_rows > 1:
             positions = positions.unsqueeze(1)  # [R, 1, bucket]
         step = BackendStep(self.kv, self.backend, buf.metadata(bucket))
-        out = language_model(adapter)(inputs_embeds=embeds, position_ids=positions, attention_mask=STEP_MASK,
+        out = adapter.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=STEP_MASK,
                                       use_cache=False, **{KWARG: step})
         return adapter.model.lm_head(out.last_hidden_state[0]).float()

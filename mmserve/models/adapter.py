@@ -274,6 +274,11 @@ class Adapter(ABC):
             embeds[0, pos : pos + rows.shape[0]] = rows.to(embeds.dtype)
         return embeds
 
+    @property
+    def language_model(self) -> torch.nn.Module:
+        """The decoder stack (no vision tower, no output head) a paged step runs."""
+        return self.model.model.language_model
+
     def step_inputs(self, input_ids: Sequence[int], pieces: Sequence[tuple[int, torch.Tensor]] = ()) -> tuple[torch.Tensor, dict]:
         """What one step's language-model forward takes for these new tokens: `inputs_embeds`
         [1, T, H] (`embed`) and the family's extra keyword arguments for the language model (e.g.

@@ -35,9 +35,7 @@ torchvision class): the tokenizer, `Idefics3ImageProcessorPil` and the model loa
 grid (an image that is not split: 1 x 1, which splitting never makes), over a processor digest that
 covers the image processor's settings and `image_seq_len`.
 
-transformers names Idefics3's decoder stack `model.text_model`; the paged step reaches a family's
-through `model.model.language_model`, so the loaded model gets that name as a plain attribute for
-the same module (no second registration: its parameters and state dict are unchanged).
+transformers names Idefics3's decoder stack `model.text_model` (`language_model` says so).
 """
 
 from __future__ import annotations
@@ -118,8 +116,10 @@ class Idefics3Adapter(Adapter):
                              f"the model config's image_token_id {self.image_token_id}")
         self.image_seq_len = seq_len
         self._expansions: dict[tuple[int, int], tuple[int, ...]] = {}
-        inner = self.model.model
-        inner.__dict__["language_model"] = inner.text_model  # see the module docstring
+
+    @property
+    def language_model(self) -> torch.nn.Module:
+        return self.model.model.text_model
 
     def _processor_digest(self) -> int:
         return idefics3_processor_digest(self.image_processor.to_dict(), self.image_seq_len)

@@ -86,15 +86,10 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-def language_model(adapter) -> torch.nn.Module:
-    """The adapter's decoder stack (without its vision tower and head)."""
-    return adapter.model.model.language_model
-
-
 def use_paged_attention(adapter) -> None:
     """Makes the paged attention the adapter's language model's implementation (see the module
     docstring: calls that are not paged steps keep transformers' SDPA)."""
-    config = language_model(adapter).config
+    config = adapter.language_model.config
     if config._attn_implementation != ATTN_IMPLEMENTATION:
         config._attn_implementation = ATTN_IMPLEMENTATION
 
@@ -104,7 +99,7 @@ def forward_step(adapter, inputs_embeds: torch.Tensor, position_ids: torch.Tenso
     """The language model over one paged step: `inputs_embeds` [1, T, H], `position_ids` [1, T] (or
     [R, 1, T] for M-RoPE) -> float logits of the new tokens `rows` indexes [len(rows), vocab].
     `use_paged_attention(adapter)` first."""
-    out = language_model(adapter)(inputs_embeds=inputs_embeds, position_ids=position_ids,
+    out = adapter.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids,
                                   attention_mask=STEP_MASK, use_cache=False, **(lm_kwargs or {}), **{KWARG: step})
     return adapter.model.lm_head(out.last_hidden_state[0].index_select(0, rows)).float()
 
