@@ -12,9 +12,7 @@ import json
 import pytest
 import torch
 from transformers import Gemma3ImageProcessorPil, Gemma3Processor
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from mmserve import Runtime
 from mmserve.attention import ModelFeatures, SdpaBackend
 from mmserve.cli import main as cli
 from mmserve.config import Config, ModelConfig
@@ -25,26 +23,12 @@ from mmserve.models.loading import check_checkpoint, load_adapter
 from mmserve.models.paged import KVArena, Segment
 from mmserve.models.random_weights import MARKER, read_marker
 from tests.conftest import on_device
-from tests.helpers import image_part
+from tests.family_parity import MARGIN_ABS, FamilyParity
 
-QUESTION = "What color is the shape? Describe the image."
 PROMPTS = {1: [(64, 64)], 2: [(32, 48), (80, 40)], 3: [(64, 64), (40, 90), (50, 50)]}
-NEW_TOKENS = 10
-MARGIN_ABS = 1e-4
-
-
-def images_of(n: int) -> list:
-    colours = ["red", "blue", "green"]
-    return [render_image(colours[i], ["circle", "square", "triangle"][i], seed=60 + i).resize(size)
-            for i, size in enumerate(PROMPTS.get(n, []))]
-
-
-def chat(n: int, text: str = QUESTION) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": text}]}]
-
-
-def openai_chat(images) -> list[dict]:
-    return [{"role": "user", "content": [image_part(img) for img in images] + [{"type": "text", "text": QUESTION}]}]
+PARITY = FamilyParity("tiny-gemma3", PROMPTS, new_tokens=10, question="What color is the shape? Describe the image.",
+                      shapes=("circle", "square", "triangle"), seed=60)
+images_of, chat = PARITY.images_of, PARITY.hf_chat
 
 
 @pytest.fixture(scope="module")
@@ -163,26 +147,7 @@ def test_first_step_logits_equal_transformers(adapter, n):
     prompt = adapter.tokenize(chat(n), imgs)
     rows = adapter.encode_images(adapter.pixel_values(imgs)) if imgs else []
     logits = _paged_prefill(adapter, prompt, rows, chunk=13)
-    with torch.inference_mode():
-        ref = adapter.model(**hf).logits[0, -1]
-    diff = float((logits[0] - ref).abs().max())
-    print(f"tiny-gemma3, {n} images, {len(prompt.input_ids)} prompt tokens: max |logit diff| = {diff:.3g}")
-    assert diff < MARGIN_ABS
-
-
-def _token_bytes(tokenizer):
-    decoder = {c: b for b, c in bytes_to_unicode().items()}
-    return lambda i: bytes(decoder[c] for c in tokenizer.convert_ids_to_tokens(int(i)))
-
-
-def _generate(adapter, n: int):
-    hf = hf_inputs(adapter, n)
-    with torch.inference_mode():
-        out = adapter.model.generate(**hf, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                     output_logits=True, return_dict_in_generate=True)
-    ids = out.sequences[0, hf["input_ids"].shape[1]:].tolist()
-    margins = [float(t[0] - t[1]) for t in (torch.topk(step[0].float(), 2).values for step in out.logits)]
-    return ids, margins, hf["input_ids"].shape[1]
+    PARITY.assert_first_step_logits(adapter, hf, prompt, logits[0], n)
 
 
 async def test_greedy_tokens_through_the_runtime_equal_generate(adapter, gemma3_dir):
@@ -190,38 +155,9 @@ async def test_greedy_tokens_through_the_runtime_equal_generate(adapter, gemma3_
     caches on (the second time prefix and encoder hits), in prefill chunks of at most 20 tokens
     (so chunk boundaries fall next to images, and each image is a chunk of its own), all prompts
     at once; token for token equal to `generate`, each top-2 margin within 1e-4 of its own."""
-    import trio
-
-    as_bytes = _token_bytes(adapter.tokenizer)
-    lead = adapter.answer_lead.encode()
-    expected = {n: _generate(adapter, n) for n in PROMPTS}
-    assert all(length > 32 for _, _, length in expected.values())
+    hf = {n: hf_inputs(adapter, n) for n in PROMPTS}
+    assert all(inputs["input_ids"].shape[1] > 32 for inputs in hf.values())
+    expected = {n: PARITY.generate(adapter, inputs) for n, inputs in hf.items()}
     config = on_device(Config(models=(ModelConfig("g3", str(gemma3_dir), default=True),))).replace(
         kv_cache={"block_size": 4}, generator={"max_batched_tokens": 20})
-    cached = []
-    async with Runtime.open(config) as rt:
-        for attempt in range(2):
-            got: dict = {}
-
-            async def one(n):
-                got[n] = await rt.chat_completion(openai_chat(images_of(n)), temperature=0, max_tokens=NEW_TOKENS,
-                                                  min_tokens=NEW_TOKENS, logprobs=True, top_logprobs=2)
-
-            async with trio.open_nursery() as nursery:
-                for n in PROMPTS:
-                    nursery.start_soon(one, n)
-            for n, (ids, margins, _) in expected.items():
-                c = got[n]
-                tokens = [bytes(t.bytes) for t in c.choices[0].logprobs]
-                want = [as_bytes(i) for i in ids]
-                if want and want[0].startswith(lead) and not tokens[0].startswith(lead):
-                    want[0] = want[0][len(lead):]
-                assert tokens == want, (n, attempt)
-                ours = [t.top[0].logprob - t.top[1].logprob for t in c.choices[0].logprobs]
-                worst = max(abs(a - b) for a, b in zip(ours, margins))
-                print(f"tiny-gemma3, {n} images, pass {attempt + 1}: {len(tokens)} tokens equal, smallest top-2 "
-                      f"margin {min(margins):.3g}, max |margin diff| {worst:.3g}")
-                assert worst < MARGIN_ABS, (n, attempt)
-                if attempt:
-                    cached.append(c.usage.cached_tokens)
-    assert all(cached), cached
+    await PARITY.assert_runtime_equals_generate(adapter, config, expected, at_once=True)

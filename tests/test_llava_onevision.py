@@ -16,9 +16,7 @@ import pytest
 import torch
 import xxhash
 from transformers import LlavaOnevisionImageProcessorPil
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from mmserve import Runtime
 from mmserve.cache.keys import SEED_MM_HASH, image_header
 from mmserve.cli import main as cli
 from mmserve.config import Config, ModelConfig
@@ -28,32 +26,17 @@ from mmserve.models.demo.onevision import ONEVISION_PRESETS, build_onevision_con
 from mmserve.models.demo.tokenizer import build_tokenizer
 from mmserve.models.llava_onevision import LlavaOnevisionAdapter
 from mmserve.models.loading import check_checkpoint, load_adapter
-from mmserve.models.paged import KVArena, Segment
 from mmserve.models.random_weights import MARKER, read_marker
-from tests.helpers import image_part
+from tests.family_parity import FamilyParity, chunked_prefill
 
-QUESTION = "What color is the shape?"
 # (width, height) -> tiles (rows x columns) and tokens under the preset (32 px tiles of 4x4
 # patches, anyres_max_4): 48x40 -> 2x2 tiles, unpadded: 70; 32x32 -> 1x1: 36;
 # 100x40 -> 2x3, pooled down: 68; 40x100 -> 3x2, pooled: 76; 64x64 -> 2x2, no padding: 88
 PROMPTS = {0: [], 1: [(48, 40)], 3: [(32, 32), (100, 40), (40, 100)]}
 EXPECTED = {(48, 40): ((2, 2), 70), (32, 32): ((1, 1), 36), (100, 40): ((2, 3), 68), (40, 100): ((3, 2), 76),
             (64, 64): ((2, 2), 88)}
-NEW_TOKENS = 12
-MARGIN_ABS = 1e-4  # logits and top-2 margins: mmserve vs transformers
-
-
-def images_of(n: int) -> list:
-    colours = ["red", "blue", "green"]
-    return [render_image(colours[i], "circle", seed=40 + i).resize(size) for i, size in enumerate(PROMPTS[n])]
-
-
-def hf_chat(n_images: int) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": QUESTION}]}]
-
-
-def openai_chat(images) -> list[dict]:
-    return [{"role": "user", "content": [image_part(img) for img in images] + [{"type": "text", "text": QUESTION}]}]
+PARITY = FamilyParity("tiny-llava-onevision", PROMPTS)
+images_of, hf_chat = PARITY.images_of, PARITY.hf_chat
 
 
 def hf_processor(adapter):
@@ -201,62 +184,15 @@ def test_first_step_logits_equal_transformers(adapter, n_images):
     prompt = adapter.tokenize(hf_chat(n_images), imgs)
     assert list(prompt.input_ids) == hf["input_ids"][0].tolist()
     rows = adapter.encode_images(adapter.pixel_values(imgs)) if imgs else []
-    embeds = adapter.embed(prompt.input_ids, [(s.start, e) for s, e in zip(prompt.spans, rows)])
-    n = len(prompt.input_ids)
-    arena = KVArena.for_model(adapter, 1 << 22, 16)
-    table = tuple(range(-(-n // 16)))
-    for s in range(0, n, 7):  # chunked prefill over the paged arena
-        e = min(n, s + 7)
-        logits = adapter.forward_paged(embeds[:, s:e], [Segment(table, s, e - s)], arena)
-    with torch.inference_mode():
-        ref = adapter.model(**hf).logits[0, -1]
-    diff = float((logits[0] - ref).abs().max())
-    print(f"tiny-llava-onevision, {n_images} images, {n} prompt tokens: max |logit diff| = {diff:.3g}")
-    assert diff < MARGIN_ABS
-
-
-def _token_bytes(tokenizer):
-    decoder = {c: b for b, c in bytes_to_unicode().items()}
-    return lambda i: bytes(decoder[c] for c in tokenizer.convert_ids_to_tokens(int(i)))
-
-
-def _generate(adapter, n_images: int):
-    """transformers' greedy `generate`: the new token ids and each step's top-2 logit margin."""
-    hf = hf_inputs(adapter, n_images)
-    with torch.inference_mode():
-        out = adapter.model.generate(**hf, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                     output_logits=True, return_dict_in_generate=True)
-    ids = out.sequences[0, hf["input_ids"].shape[1]:].tolist()
-    margins = [float(t[0] - t[1]) for t in (torch.topk(step[0].float(), 2).values for step in out.logits)]
-    return ids, margins
+    PARITY.assert_first_step_logits(adapter, hf, prompt, chunked_prefill(adapter, prompt, rows), n_images)
 
 
 async def test_greedy_tokens_through_the_runtime_equal_generate(adapter, ov_dir):
     """Each prompt twice through the runtime (caches on: the second time a prefix and encoder
     hit), token for token equal to `generate`, each step's top-2 margin within 1e-4 of its own."""
-    as_bytes = _token_bytes(adapter.tokenizer)
-    lead = adapter.answer_lead.encode()
-    expected = {n: _generate(adapter, n) for n in PROMPTS}
+    expected = {n: PARITY.generate(adapter, hf_inputs(adapter, n)) for n in PROMPTS}
     config = Config(models=(ModelConfig("ov", str(ov_dir), default=True),)).replace(kv_cache={"block_size": 4})
-    cached = []
-    async with Runtime.open(config) as rt:
-        for attempt in range(2):
-            for n, (ids, margins) in expected.items():
-                c = await rt.chat_completion(openai_chat(images_of(n)), temperature=0, max_tokens=NEW_TOKENS,
-                                             min_tokens=NEW_TOKENS, logprobs=True, top_logprobs=2)
-                got = [bytes(t.bytes) for t in c.choices[0].logprobs]
-                want = [as_bytes(i) for i in ids]
-                if want and want[0].startswith(lead) and not got[0].startswith(lead):  # the answer lead, cut
-                    want[0] = want[0][len(lead):]
-                assert got == want, (n, attempt)
-                ours = [t.top[0].logprob - t.top[1].logprob for t in c.choices[0].logprobs]
-                worst = max(abs(a - b) for a, b in zip(ours, margins))
-                print(f"tiny-llava-onevision, {n} images, pass {attempt + 1}: {len(got)} tokens equal, smallest "
-                      f"top-2 margin {min(margins):.3g}, max |margin diff| {worst:.3g}")
-                assert worst < MARGIN_ABS, (n, attempt)
-                if attempt:
-                    cached.append(c.usage.cached_tokens)
-    assert all(cached), cached  # the second pass ran on prefix-cache hits
+    await PARITY.assert_runtime_equals_generate(adapter, config, expected)
 
 
 # -- the content key ---------------------------------------------------------------------------
