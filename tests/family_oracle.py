@@ -12,16 +12,26 @@ warning naming it), and nothing else is loosened. The trained LLaVA's answers mu
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import trio
 from hypothesis import strategies as st
 
-from mmserve.models.demo import Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SHAPE
+from mmserve import SyncRuntime
+from mmserve.models.demo import BACKGROUNDS, COLORS, Q_BACKGROUND, Q_COLOR, Q_FIRST, Q_SHAPE, SHAPES, render_image
+from tests.conftest import on_device
 from tests.helpers import assert_nothing_held, image_part, run_concurrently
 
 TIE = 1e-4  # top-2 logit margin below which a flip is a float tie (PITFALLS.md)
 QUESTIONS = [Q_COLOR, Q_BACKGROUND, Q_SHAPE, Q_FIRST]
+
+
+def oracle_images(sizes, seed: int) -> list:
+    """The oracle's images: the i-th of each colour, shape and background in turn, drawn from
+    seed + i, at sizes[i] (None: render_image's own)."""
+    return [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=seed + i, size=size)
+            for i, size in enumerate(sizes)]
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,20 @@ class FamilyOracle:
     random: tuple[str, ...]  # random-weight models: judged token by token with the tie rule
     models: list[str]  # drawn from (repeat a name to draw it more often)
     flips: list[str] = field(default_factory=list)  # every tolerated flip, also warned about
+
+    # -- the runtimes ---------------------------------------------------------------------------
+
+    @contextmanager
+    def runtimes(self, demo_config, models, **cached):
+        """(on, off): the demo LLaVA and `models` (ModelConfigs) loaded at once, on the device, in
+        a runtime with the caches on (`demo_config`'s settings replaced by `cached`: a tiny arena,
+        a small encoder cache) and one with them off; on leaving, the tolerated flips printed."""
+        config = on_device(demo_config.replace(models=(demo_config.models[0], *models)))
+        with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
+            with SyncRuntime(config.replace(**cached)) as on:
+                yield on, off
+        if self.flips:
+            print(f"\n{len(self.flips)} float-tie flips tolerated:\n" + "\n".join(self.flips))
 
     # -- requests and the judging rule ------------------------------------------------------------
 

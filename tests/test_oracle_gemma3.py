@@ -16,18 +16,14 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve import SyncRuntime
 from mmserve.config import ModelConfig
-from mmserve.models.demo import BACKGROUNDS, COLORS, Q_FIRST, SHAPES, build_untrained
-from mmserve.models.demo import render_image
-from tests.conftest import on_device
-from tests.family_oracle import FamilyOracle, Turn, loaded
+from mmserve.models.demo import Q_FIRST, build_untrained
+from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
 
-IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i) for i in range(6)]
+IMAGES = oracle_images([None] * 6, seed=900)  # 64x64
 RANDOM = ("g3",)
 MODELS = ["g3", "g3", "demo"]
 ORACLE = FamilyOracle(IMAGES, RANDOM, MODELS)
-FLIPS = ORACLE.flips
 ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 BLOCK = 16
 
@@ -35,16 +31,12 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def runtimes(demo_config, tmp_path_factory):
     g3 = build_untrained("tiny-gemma3", tmp_path_factory.mktemp("g3") / "tiny-gemma3", seed=0, random_weights=True)
-    config = on_device(demo_config.replace(models=(demo_config.models[0], ModelConfig("g3", str(g3)))))
     # 12 blocks of 16 tokens for demo, 32 for the tiny Gemma 3 (768 bytes a token): a 3-image
     # Gemma turn takes ~7, so concurrent conversations preempt each other and evict what is cached
-    cached = config.replace(kv_cache={"block_size": BLOCK, "budget_bytes": 24 * 16384},
-                            encoder_cache={"max_entries": 3}, generator={"max_batched_tokens": 24})
-    with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
-        with SyncRuntime(cached) as on:
-            yield on, off
-    if FLIPS:
-        print(f"\n{len(FLIPS)} float-tie flips tolerated:\n" + "\n".join(FLIPS))
+    with ORACLE.runtimes(demo_config, [ModelConfig("g3", str(g3))],
+                         kv_cache={"block_size": BLOCK, "budget_bytes": 24 * 16384},
+                         encoder_cache={"max_entries": 3}, generator={"max_batched_tokens": 24}) as rts:
+        yield rts
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -23,10 +23,8 @@ from hypothesis import strategies as st
 
 from mmserve import SyncRuntime
 from mmserve.config import ModelConfig
-from mmserve.models.demo import BACKGROUNDS, COLORS, Q_FIRST, Q_SHAPE, SHAPES, build_untrained
-from mmserve.models.demo import render_image
-from tests.conftest import on_device
-from tests.family_oracle import FamilyOracle, Turn, loaded
+from mmserve.models.demo import Q_FIRST, Q_SHAPE, build_untrained
+from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
 from tests.helpers import run_concurrently
 from tests.redis_server import RedisServer
 
@@ -34,12 +32,10 @@ from tests.redis_server import RedisServer
 # tokens a view): 64x64 3x3: 185, 50x30 2x3: 130, 100x20 1x3: 75, 30x50 3x2: 131, 20x100 3x1:
 # 77, 72x56 3x3, 90x60 2x3
 SIZES = [(64, 64), (50, 30), (100, 20), (30, 50), (20, 100), (72, 56), (90, 60)]
-IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=900 + i, size=size)
-          for i, size in enumerate(SIZES)]
+IMAGES = oracle_images(SIZES, seed=900)
 RANDOM = ("smol",)  # random weights: judged token by token with the tie rule
 MODELS = ["smol", "smol", "smol", "demo"]  # Idefics3 drawn most often
 ORACLE = FamilyOracle(IMAGES, RANDOM, MODELS)
-FLIPS = ORACLE.flips
 ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 WIDE_BLOCK = 64  # the block size of the runtime whose hits end at each kind of marker
 
@@ -52,16 +48,13 @@ def smol_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runtimes(demo_config, smol_dir):
-    config = on_device(demo_config.replace(models=(demo_config.models[0], ModelConfig("smol", str(smol_dir)))))
     # 40 blocks of 8 tokens for demo, 160 for the tiny Idefics3 (smaller KV): one 3-image turn
     # takes up to ~70, a whole conversation up to ~125, so concurrent conversations preempt each
     # other and evict what is cached
-    cached = config.replace(kv_cache={"block_size": 8, "budget_bytes": 40 * 16384}, encoder_cache={"max_entries": 3})
-    with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
-        with SyncRuntime(cached) as on:
-            yield on, off
-    if FLIPS:
-        print(f"\n{len(FLIPS)} float-tie flips tolerated:\n" + "\n".join(FLIPS))
+    with ORACLE.runtimes(demo_config, [ModelConfig("smol", str(smol_dir))],
+                         kv_cache={"block_size": 8, "budget_bytes": 40 * 16384},
+                         encoder_cache={"max_entries": 3}) as rts:
+        yield rts
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -20,23 +20,18 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve import SyncRuntime
 from mmserve.config import ModelConfig
-from mmserve.models.demo import BACKGROUNDS, COLORS, Q_FIRST, Q_SHAPE, SHAPES, build_untrained
-from mmserve.models.demo import render_image
-from tests.conftest import on_device
-from tests.family_oracle import FamilyOracle, Turn, loaded
+from mmserve.models.demo import Q_FIRST, Q_SHAPE, build_untrained
+from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
 
 # (width, height): tiles and tokens under tiny-llava-onevision (32 px tiles, anyres_max_4):
 # 64x64 2x2: 88, 48x40 2x2: 70, 32x32 1x1: 36, 100x40 2x3 pooled: 68, 40x100 3x2 pooled: 76,
 # 72x56 2x3 pooled, 90x60 2x3 pooled
 SIZES = [(64, 64), (48, 40), (32, 32), (100, 40), (40, 100), (72, 56), (90, 60)]
-IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=700 + i, size=size)
-          for i, size in enumerate(SIZES)]
+IMAGES = oracle_images(SIZES, seed=700)
 RANDOM = ("ov",)  # random weights: judged token by token with the tie rule
 MODELS = ["ov", "ov", "ov", "demo"]  # LLaVA-OneVision drawn most often
 ORACLE = FamilyOracle(IMAGES, RANDOM, MODELS)
-FLIPS = ORACLE.flips
 ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 
 
@@ -44,15 +39,12 @@ ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 def runtimes(demo_config, tmp_path_factory):
     ov = build_untrained("tiny-llava-onevision", tmp_path_factory.mktemp("ov") / "tiny-ov", seed=0,
                          random_weights=True)
-    config = on_device(demo_config.replace(models=(demo_config.models[0], ModelConfig("ov", str(ov)))))
     # 20 blocks of 8 tokens for demo, 80 for the tiny OneVision (smaller KV): one 3-image turn
     # takes up to ~32, so concurrent conversations preempt each other and evict what is cached
-    cached = config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384}, encoder_cache={"max_entries": 3})
-    with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
-        with SyncRuntime(cached) as on:
-            yield on, off
-    if FLIPS:
-        print(f"\n{len(FLIPS)} float-tie flips tolerated:\n" + "\n".join(FLIPS))
+    with ORACLE.runtimes(demo_config, [ModelConfig("ov", str(ov))],
+                         kv_cache={"block_size": 8, "budget_bytes": 20 * 16384},
+                         encoder_cache={"max_entries": 3}) as rts:
+        yield rts
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -16,36 +16,27 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve import SyncRuntime
 from mmserve.config import ModelConfig
-from mmserve.models.demo import BACKGROUNDS, COLORS, Q_FIRST, Q_SHAPE, SHAPES, build_untrained
-from mmserve.models.demo import render_image
-from tests.conftest import on_device
-from tests.family_oracle import FamilyOracle, Turn, loaded
+from mmserve.models.demo import Q_FIRST, Q_SHAPE, build_untrained
+from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
 
 SIZES = [(96, 96), (112, 48), (40, 96), (128, 128), (72, 56), (32, 32), (200, 150)]
-IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=700 + i, size=size)
-          for i, size in enumerate(SIZES)]
+IMAGES = oracle_images(SIZES, seed=700)
 RANDOM = ("q25", "q2")  # random weights: judged token by token with the tie rule
 MODELS = ["q25", "q25", "q2", "demo"]  # Qwen2.5-VL drawn most often
 ORACLE = FamilyOracle(IMAGES, RANDOM, MODELS)
-FLIPS = ORACLE.flips
 ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 
 
 @pytest.fixture(scope="module")
 def runtimes(demo_config, tiny_qwen25_dir, tmp_path_factory):
     q2 = build_untrained("tiny-qwen", tmp_path_factory.mktemp("q2") / "tiny-qwen", seed=0, random_weights=True)
-    config = on_device(demo_config.replace(models=(
-        demo_config.models[0], ModelConfig("q25", str(tiny_qwen25_dir)), ModelConfig("q2", str(q2)))))
     # 20 blocks of 8 tokens for demo, 80 for the tiny Qwens (smaller KV): one 3-image Qwen turn
     # takes up to 30, so concurrent conversations preempt each other and evict what is cached
-    cached = config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384}, encoder_cache={"max_entries": 3})
-    with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
-        with SyncRuntime(cached) as on:
-            yield on, off
-    if FLIPS:
-        print(f"\n{len(FLIPS)} float-tie flips tolerated:\n" + "\n".join(FLIPS))
+    with ORACLE.runtimes(demo_config, [ModelConfig("q25", str(tiny_qwen25_dir)), ModelConfig("q2", str(q2))],
+                         kv_cache={"block_size": 8, "budget_bytes": 20 * 16384},
+                         encoder_cache={"max_entries": 3}) as rts:
+        yield rts
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

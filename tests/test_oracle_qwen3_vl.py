@@ -18,23 +18,20 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve import Runtime, SyncRuntime
+from mmserve import Runtime
 from mmserve.config import ModelConfig
-from mmserve.models.demo import BACKGROUNDS, COLORS, Q_FIRST, SHAPES, build_untrained
-from mmserve.models.demo import render_image
+from mmserve.models.demo import Q_FIRST, build_untrained
 from tests.conftest import on_device
-from tests.family_oracle import FamilyOracle, Turn, loaded
+from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
 from tests.redis_server import RedisServer
 
 # (width, height) -> tokens under tiny-qwen3-vl (patch 8, merge 2, 32^2..128^2 px):
 # 36, 21, 15, 64, 16, 4 and 54 (scaled down to the pixel cap)
 SIZES = [(96, 96), (112, 48), (40, 96), (128, 128), (72, 56), (32, 32), (200, 150)]
-IMAGES = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=700 + i, size=size)
-          for i, size in enumerate(SIZES)]
+IMAGES = oracle_images(SIZES, seed=700)
 RANDOM = ("q3",)  # random weights: judged token by token with the tie rule
 MODELS = ["q3", "q3", "q3", "demo"]  # Qwen3-VL drawn most often
 ORACLE = FamilyOracle(IMAGES, RANDOM, MODELS)
-FLIPS = ORACLE.flips
 ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 # KV bytes a block of 8 tokens takes: the tiny Qwen3-VL (4 layers, 2 KV heads of 32) and the demo
 # LLaVA alike; 80 blocks each (640 tokens): one 3-image Qwen3-VL turn takes up to ~25, so
@@ -50,14 +47,10 @@ def q3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runtimes(demo_config, q3_dir):
-    config = on_device(demo_config.replace(models=(demo_config.models[0], ModelConfig("q3", str(q3_dir)))))
-    cached = config.replace(kv_cache={"block_size": 8, "budget_bytes": 80 * BLOCK_BYTES},
-                            encoder_cache={"max_entries": 3})
-    with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
-        with SyncRuntime(cached) as on:
-            yield on, off
-    if FLIPS:
-        print(f"\n{len(FLIPS)} float-tie flips tolerated:\n" + "\n".join(FLIPS))
+    with ORACLE.runtimes(demo_config, [ModelConfig("q3", str(q3_dir))],
+                         kv_cache={"block_size": 8, "budget_bytes": 80 * BLOCK_BYTES},
+                         encoder_cache={"max_entries": 3}) as rts:
+        yield rts
 
 
 def test_the_arena_holds_80_blocks_of_each_model(runtimes):
