@@ -40,7 +40,6 @@ transformers names Idefics3's decoder stack `model.text_model` (`language_model`
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -53,6 +52,7 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import (
 
 from mmserve.cache.keys import image_identity, processor_digest
 from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs
+from mmserve.models.llava_onevision import _saved_processor_settings
 from mmserve.models.qwen2_vl import _saved_template
 from mmserve.models.random_weights import load_model
 
@@ -277,12 +277,3 @@ def _image_processor(path) -> Idefics3ImageProcessorPil:
         raise ValueError(f"{path}: the image processor {kind!r} is not Idefics3's, or needs torchvision, which this "
                          f"install does not have; save the checkpoint with an Idefics3ImageProcessor(Pil) instead")
     return Idefics3ImageProcessorPil.from_pretrained(path)
-
-
-def _saved_processor_settings(path) -> dict:
-    saved = path / "processor_config.json"
-    try:
-        data = json.loads(saved.read_text()) if saved.is_file() else {}
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -23,6 +23,7 @@ from transformers import (
 from mmserve.config import DEMO_CHECKPOINTS
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
+from .common import lookup_preset, save_checkpoint
 from .tokenizer import CHAT_TEMPLATE, build_tokenizer, generation_config
 
 CHECKPOINTS_ROOT = DEMO_CHECKPOINTS  # one place knows where the committed checkpoints live
@@ -145,12 +146,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def get_preset(preset: str | Preset) -> Preset:
-    if isinstance(preset, Preset):
-        return preset
-    try:
-        return PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown demo preset {preset!r}; expected one of {sorted(PRESETS)}") from None
+    return lookup_preset(preset, PRESETS, Preset, "demo")
 
 
 def checkpoint_dir(name: str) -> pathlib.Path:
@@ -228,11 +224,7 @@ def build_model(preset: str | Preset, tokenizer, seed: int = 0) -> LlavaForCondi
 
 
 def save(model, processor, out_dir) -> pathlib.Path:
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    return out
+    return save_checkpoint(model, [processor], out_dir)
 
 
 def build_untrained(preset: str, out_dir, seed: int = 0, random_weights: bool = False) -> pathlib.Path:

@@ -13,7 +13,6 @@ tokens) is shorter than a two-image prompt, and its layers mix both kinds, so th
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import torch
@@ -22,12 +21,12 @@ from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Im
 
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
-from .tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, build_backend, generation_config
+from .common import ProcessorSettings, lookup_preset, save_checkpoint
+from .tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, demo_tokenizer, generation_config
 
 BOI, SOFT, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 GEMMA3_SPECIAL_TOKENS = (BOS, EOS, PAD, BOI, SOFT, EOI)
 GEMMA3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<image>' -}}", "{{- '" + BOI + "' -}}")
-PROCESSOR_CONFIG = "processor_config.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,24 +80,13 @@ GEMMA3_PRESETS: dict[str, Gemma3Preset] = {
 
 
 def get_gemma3_preset(preset: str | Gemma3Preset) -> Gemma3Preset:
-    if isinstance(preset, Gemma3Preset):
-        return preset
-    try:
-        return GEMMA3_PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown Gemma 3 preset {preset!r}; expected one of {sorted(GEMMA3_PRESETS)}") from None
+    return lookup_preset(preset, GEMMA3_PRESETS, Gemma3Preset, "Gemma 3")
 
 
 def build_gemma3_tokenizer() -> PreTrainedTokenizerFast:
     """The demo BPE with Gemma 3's image tokens (``tokenizer.image_token`` is the soft token,
     ``boi_token`` what the chat template writes per image)."""
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=build_backend(GEMMA3_SPECIAL_TOKENS), bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        extra_special_tokens={"image_token": SOFT, "boi_token": BOI, "eoi_token": EOI},
-        padding_side="left", model_max_length=4096, clean_up_tokenization_spaces=False,
-    )
-    tok.chat_template = GEMMA3_CHAT_TEMPLATE
-    return tok
+    return demo_tokenizer(GEMMA3_SPECIAL_TOKENS, GEMMA3_CHAT_TEMPLATE, image_token=SOFT, boi_token=BOI, eoi_token=EOI)
 
 
 def build_gemma3_image_processor(preset: str | Gemma3Preset) -> Gemma3ImageProcessorPil:
@@ -145,19 +133,9 @@ def build_gemma3_model(preset: str | Gemma3Preset, tokenizer, seed: int = 0):
     return model.eval()
 
 
-class _ProcessorSettings:
-    """save_pretrained of processor_config.json (a part of write_random_weights)."""
-
-    def __init__(self, settings: dict):
-        self.settings = settings
-
-    def save_pretrained(self, out) -> None:
-        (pathlib.Path(out) / PROCESSOR_CONFIG).write_text(json.dumps(self.settings, indent=2) + "\n")
-
-
 def _parts(p: Gemma3Preset, tokenizer) -> list:
     settings = {"processor_class": "Gemma3Processor", "image_seq_length": p.mm_tokens_per_image}
-    return [tokenizer, build_gemma3_image_processor(p), _ProcessorSettings(settings)]
+    return [tokenizer, build_gemma3_image_processor(p), ProcessorSettings(settings)]
 
 
 def build_untrained_gemma3(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
@@ -166,12 +144,7 @@ def build_untrained_gemma3(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
     tokenizer = build_gemma3_tokenizer()
     model = build_gemma3_model(p, tokenizer, seed=seed)
     remove_marker(out_dir)
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for part in _parts(p, tokenizer):
-        part.save_pretrained(out)
-    return out
+    return save_checkpoint(model, _parts(p, tokenizer), out_dir)
 
 
 def write_random_gemma3(preset: str, out_dir, seed: int = 0) -> pathlib.Path:

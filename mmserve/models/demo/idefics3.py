@@ -26,7 +26,8 @@ from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionCo
 
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
-from .tokenizer import BOS, CHAT_TEMPLATE, EOS, IMAGE, PAD, build_backend, generation_config
+from .common import lookup_preset, save_checkpoint
+from .tokenizer import BOS, CHAT_TEMPLATE, EOS, IMAGE, PAD, demo_tokenizer, generation_config
 
 FAKE_TOKEN, GLOBAL_IMAGE, END_OF_UTTERANCE = "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"
 TILE_TOKENS = tuple(f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6))
@@ -85,29 +86,14 @@ IDEFICS3_PRESETS: dict[str, Idefics3Preset] = {
 
 
 def get_idefics3_preset(preset: str | Idefics3Preset) -> Idefics3Preset:
-    if isinstance(preset, Idefics3Preset):
-        return preset
-    try:
-        return IDEFICS3_PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown Idefics3 preset {preset!r}; expected one of {sorted(IDEFICS3_PRESETS)}") from None
+    return lookup_preset(preset, IDEFICS3_PRESETS, Idefics3Preset, "Idefics3")
 
 
 def build_idefics3_tokenizer() -> PreTrainedTokenizerFast:
     """The demo BPE with Idefics3's image tokens, all special (`Idefics3Processor` then keeps only
     its own three on the tokenizer's list, as with SmolVLM's: the others stay special added tokens)."""
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=build_backend(IDEFICS3_SPECIAL_TOKENS),
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        extra_special_tokens={"image_token": IMAGE},
-        padding_side="left",
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
-    )
+    tok = demo_tokenizer(IDEFICS3_SPECIAL_TOKENS, image_token=IMAGE)
     tok.add_special_tokens({"additional_special_tokens": list(IDEFICS3_SPECIAL_TOKENS[3:])})
-    tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
@@ -166,11 +152,7 @@ def build_untrained_idefics3(preset: str, out_dir, seed: int = 0) -> pathlib.Pat
     processor = build_idefics3_processor(p)
     model = build_idefics3_model(p, processor.tokenizer, seed=seed)
     remove_marker(out_dir)
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    return out
+    return save_checkpoint(model, [processor], out_dir)
 
 
 def write_random_idefics3(preset: str, out_dir, seed: int = 0) -> pathlib.Path:

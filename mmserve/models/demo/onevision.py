@@ -12,7 +12,6 @@ built by mmserve from those parts (its video processor needs torchvision, and is
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import torch
@@ -21,10 +20,8 @@ from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGene
 
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
+from .common import ProcessorSettings, lookup_preset, save_checkpoint
 from .tokenizer import build_tokenizer, generation_config
-
-PROCESSOR_CONFIG = "processor_config.json"
-
 
 @dataclasses.dataclass(frozen=True)
 class OnevisionPreset:
@@ -80,13 +77,7 @@ ONEVISION_PRESETS: dict[str, OnevisionPreset] = {
 
 
 def get_onevision_preset(preset: str | OnevisionPreset) -> OnevisionPreset:
-    if isinstance(preset, OnevisionPreset):
-        return preset
-    try:
-        return ONEVISION_PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown LLaVA-OneVision preset {preset!r}; expected one of "
-                         f"{sorted(ONEVISION_PRESETS)}") from None
+    return lookup_preset(preset, ONEVISION_PRESETS, OnevisionPreset, "LLaVA-OneVision")
 
 
 def build_onevision_image_processor(preset: str | OnevisionPreset) -> LlavaOnevisionImageProcessorPil:
@@ -143,18 +134,8 @@ def build_onevision_model(preset: str | OnevisionPreset, tokenizer, seed: int = 
     return model.eval()
 
 
-class _ProcessorSettings:
-    """save_pretrained of processor_config.json (a part of write_random_weights)."""
-
-    def __init__(self, settings: dict):
-        self.settings = settings
-
-    def save_pretrained(self, out) -> None:
-        (pathlib.Path(out) / PROCESSOR_CONFIG).write_text(json.dumps(self.settings, indent=2) + "\n")
-
-
 def _parts(p: OnevisionPreset, tokenizer) -> list:
-    return [tokenizer, build_onevision_image_processor(p), _ProcessorSettings(processor_settings(p))]
+    return [tokenizer, build_onevision_image_processor(p), ProcessorSettings(processor_settings(p))]
 
 
 def build_untrained_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
@@ -163,12 +144,7 @@ def build_untrained_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Pa
     tokenizer = build_tokenizer()
     model = build_onevision_model(p, tokenizer, seed=seed)
     remove_marker(out_dir)
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for part in _parts(p, tokenizer):
-        part.save_pretrained(out)
-    return out
+    return save_checkpoint(model, _parts(p, tokenizer), out_dir)
 
 
 def write_random_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Path:

@@ -32,6 +32,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from mmserve.config import DEMO_CHECKPOINTS
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
+from .common import lookup_preset, save_checkpoint
 from .tokenizer import build_qwen_tokenizer, generation_config
 
 
@@ -189,13 +190,7 @@ QWEN_PRESETS: dict[str, QwenPreset] = {
 
 
 def get_qwen_preset(preset: str | QwenPreset) -> QwenPreset:
-    if isinstance(preset, QwenPreset):
-        return preset
-    try:
-        return QWEN_PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown Qwen2-VL / Qwen2.5-VL / Qwen3-VL preset {preset!r}; expected one of "
-                         f"{sorted(QWEN_PRESETS)}") from None
+    return lookup_preset(preset, QWEN_PRESETS, QwenPreset, "Qwen2-VL / Qwen2.5-VL / Qwen3-VL")
 
 
 def build_image_processor(preset: str | QwenPreset) -> Qwen2VLImageProcessorPil:
@@ -337,12 +332,9 @@ def build_qwen_model(preset: str | QwenPreset, tokenizer, seed: int = 0) -> Qwen
 
 
 def save_qwen(model, tokenizer, image_processor, out_dir) -> pathlib.Path:
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)  # config, generation_config, safetensors
-    tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-    image_processor.save_pretrained(out)  # preprocessor_config.json
-    return out
+    """Config, generation_config and safetensors; tokenizer.json, tokenizer_config.json and
+    chat_template.jinja; preprocessor_config.json."""
+    return save_checkpoint(model, [tokenizer, image_processor], out_dir)
 
 
 def build_untrained_qwen(preset: str, out_dir, seed: int = 0) -> pathlib.Path:

@@ -129,40 +129,32 @@ def build_backend(special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer
     return tok
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def demo_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE,
+                   **extra_special_tokens: str) -> PreTrainedTokenizerFast:
+    """The demo BPE trained with `special_tokens` as a fast tokenizer: BOS, EOS, PAD, the family's
+    `extra_special_tokens` (``image_token=...``), left padding, `chat_template`."""
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=build_backend(),
+        tokenizer_object=build_backend(special_tokens),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        extra_special_tokens={"image_token": IMAGE},
+        extra_special_tokens=extra_special_tokens,
         padding_side="left",
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    return demo_tokenizer(image_token=IMAGE)
 
 
 def build_qwen_tokenizer() -> PreTrainedTokenizerFast:
     """The demo BPE with Qwen2-VL's vision tokens (``tokenizer.image_token`` is ``<|image_pad|>``)."""
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=build_backend(QWEN_SPECIAL_TOKENS),
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        extra_special_tokens={
-            "image_token": IMAGE_PAD,
-            "vision_start_token": VISION_START,
-            "vision_end_token": VISION_END,
-            "video_token": VIDEO_PAD,
-        },
-        padding_side="left",
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
-    )
-    tok.chat_template = QWEN_CHAT_TEMPLATE
-    return tok
+    return demo_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_CHAT_TEMPLATE, image_token=IMAGE_PAD,
+                          vision_start_token=VISION_START, vision_end_token=VISION_END, video_token=VIDEO_PAD)
 
 
 def generation_config(tokenizer) -> GenerationConfig:
