@@ -150,16 +150,17 @@ class OwnershipMachine(RuleBasedStateMachine):
         self.manager.inbox_send.send_nowait(msg)
         await trio.testing.wait_all_tasks_blocked()
 
-    def send(self, msg):
+    def send(self, msg, faulty: bool = False):
         self.portal.call(self._send, msg)
         if self.died is not None:  # restarted as the supervisor does: fail, reset, run again
+            assert faulty, f"the manager died of {msg!r} with no fault injected: {self.died!r}"
             self.restart()
 
     def send_crashing(self, msg, point: str | None):
         """`send`, with the manager's handling of it raising at fault point `point` (it dies)."""
         faults.configure(point)
         try:
-            self.send(msg)
+            self.send(msg, faulty=point is not None)
         finally:
             faults.configure(None)
 
@@ -234,6 +235,8 @@ class OwnershipMachine(RuleBasedStateMachine):
             event("refill dropped")
             return  # dropped: the manager took (or will take) it back, or it died with its life
         event("refill taken" if msg.blocks else "refill empty")
+        if msg.earmarks:
+            event("refill with earmarks")
         self.last_refill = msg.number
         self.reserve += msg.blocks
 
@@ -277,9 +280,9 @@ class OwnershipMachine(RuleBasedStateMachine):
         assert isinstance(answer, LookupResult) and answer.request_id == r.rid
         self._admit(r, answer.blocks, answer.epoch)
 
-    def _report(self, want: int, reply=None, point: str | None = None) -> StepReport:
+    def _report(self, want: int, reply=None, point: str | None = None, hints=()) -> StepReport:
         msg = StepReport(next(self.numbers), self.known_epoch, self.lease, tuple(self.entries), want,
-                         self.to_generator if reply is None else reply)
+                         self.to_generator if reply is None else reply, tuple(hints))
         if self.known_epoch != self.manager.epoch and any(isinstance(e, Draw) for e in self.entries):
             event("draws reported to a dead life")
         failing = [f"prefix.commit[{e.label}]=raise" for e in self.entries
@@ -307,7 +310,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         r = self.reqs[rid] = Req(rid, PROMPTS[prompt][:cut], send, receive)
         r.lookup_epoch = self.manager.epoch
         faults.configure(f"prefix.lookup[{rid}]=raise" if fail == 0 else None)
-        self.send(Lookup(rid, r.hashes, send, label=rid))
+        self.send(Lookup(rid, r.hashes, send, label=rid), faulty=fail == 0)
         faults.configure(None)
         if then == "give up" or (then == "receive" and send.statistics().current_buffer_used):
             self._give_up(r)  # takes the answer when there is one
@@ -376,7 +379,7 @@ class OwnershipMachine(RuleBasedStateMachine):
                 blocks = tuple((i, r.hash_at(i)) for i in range(r.committed, len(r.table)))
                 r.committed = len(r.table)
                 self.entries.append(Commit(r.rid, blocks, self.to_generator, r.rid))
-        self._report(want)
+        self._report(want, hints=self._hints(data))
         self._drain()
 
     @rule(data=st.data(), fail=st.integers(0, 9))
@@ -430,15 +433,21 @@ class OwnershipMachine(RuleBasedStateMachine):
 
     # -- rules: the generator's side, messages -------------------------------------------------------
 
-    @rule(want=st.integers(0, 6), dropped=st.integers(0, 5), crash=st.integers(0, 19), take=st.booleans())
-    def report(self, want, dropped, crash, take):
+    def _hints(self, data):
+        """(request, its table's last block or None, n): blocks the refill gives first, earmarked."""
+        return [(r.rid, r.table[-1] if r.table else None, data.draw(st.integers(1, 3)))
+                for r in self.live() if data.draw(st.booleans())]
+
+    @rule(want=st.integers(0, 6), dropped=st.integers(0, 5), crash=st.integers(0, 19), take=st.booleans(),
+          data=st.data())
+    def report(self, want, dropped, crash, take, data):
         """The step report; its refill taken now or later — or never: a closed channel (dropped)."""
         reply = None
         if dropped == 0:
             reply, receive = trio.open_memory_channel(1)
             receive.close()
         point = {0: "prefix.refill=raise", 1: "prefix.release=raise@1"}.get(crash)
-        self._report(want, reply, point)
+        self._report(want, reply, point, self._hints(data))
         if take:
             self._drain()
 

@@ -3,21 +3,25 @@ the cache manager refills, with one message each way per step and no round trip 
 
 The manager holds a few blocks for the generator under an owner of its own (`Reservation(epoch,
 lease)`) and hands them over in `Refill`s. At plan time the generator draws the blocks its
-sequences' next tokens need from that reserve, locally — the block after a table's last one when
-the reserve has it, so tables stay consecutive. Right before the step's forward it sends one
-`StepReport` (never awaited) with everything since the last one, in order: the draws, the commits
-of blocks the previous step filled, the releases of sequences that ended or were preempted, and
-how many blocks it wants in reserve (a step's worth: what the next step will draw, estimated, plus
-a little slack, at most a quarter of the arena), with hints naming the blocks that would keep
-running tables consecutive. The manager answers with at most one refill, which
-arrives while the forward runs and is taken between steps. A step that changed nothing sends nothing.
+sequences' next tokens need from that reserve, locally. Tables stay consecutive (on the CPU a
+consecutive table is read in place, a scattered one gathered first): a table grows by the block
+after its last one; each report hints, once per table end, the blocks after it, which the manager
+earmarks for that table when they are free; a new table (nothing cached, or preempted) waits one
+step for a run the manager places for it with room to grow, as `cache.free_blocks` places one.
+Right before the step's forward the generator sends one `StepReport` (never awaited) with
+everything since the last one, in order: the draws, the commits of blocks the previous step
+filled, the releases of sequences that ended or were preempted, how many blocks it wants in
+reserve (a step's worth: what the next step will draw, estimated, plus a little slack, at most an
+eighth of the arena), and its hints. The manager answers with at most one refill, which arrives
+while the forward runs and is taken between steps. A step that changed nothing sends nothing.
 
 A decode token the reserve cannot cover waits a step while a refill is on its way; once the
-manager has answered that it has nothing left (free or evictable), the newest sequence holding
-blocks is preempted — its blocks go back through the report (committed ones stay cached) and come
-back, as the manager sees fit, in the next refill. A prefill chunk is cut to the blocks the reserve
-has; when only prefills wait and none can go, the newest holder other than the oldest of them is
-preempted, so the oldest sequence always gets its blocks in the end.
+manager has answered that it has nothing left (free or evictable), the newest sequences holding
+blocks are preempted until what they give back covers it — their blocks go back through the
+report (committed ones stay cached) and come back, as the manager sees fit, in the next refill.
+A prefill chunk is cut to the blocks the reserve has; when only prefills wait and none can go, the
+newest holder other than the oldest of them is preempted, so the oldest sequence always gets its
+blocks in the end.
 
 The reservation's life: a refill is taken only if it is of the manager life (epoch) and the lease
 the generator draws from now, and never twice (its report's number). Going idle, restarting, or
@@ -37,17 +41,21 @@ from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.errors import ServiceUnavailable
 from mmserve.generation.scheduler import Planned, blocks_for, fit_chunk, newest
 
-RESERVE_SHARE = 4  # the reservation holds at most 1/RESERVE_SHARE of the arena
+RESERVE_SHARE = 8  # the reservation holds at most 1/RESERVE_SHARE of the arena
 RESERVE_SLACK = 2  # blocks beyond the next step's estimate: a request that arrives meanwhile runs at once
 
 
 class Reserve:
-    """The reservation's blocks the generator has not drawn yet. A table grows by the block right
-    after its last one when the reserve holds it; otherwise by the largest run of consecutive
-    blocks, the slack split evenly around it (as `cache.free_blocks` places a table)."""
+    """The reservation's blocks the generator has not drawn yet, some earmarked for a sequence (the
+    blocks after its table's last one: the manager gave them for that, when they were free). A
+    table grows by the block right after its last one when the reserve holds it (and it is not
+    earmarked for another); otherwise from the start of the largest run of unmarked consecutive
+    blocks (the manager placed it as `cache.free_blocks` places a table: with room to grow after
+    it); a marked block goes last."""
 
     def __init__(self):
         self._blocks: set[int] = set()
+        self._marks: dict[int, str] = {}  # block → the sequence (kv owner) it is earmarked for
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -58,31 +66,42 @@ class Reserve:
     def blocks(self) -> list[int]:
         return sorted(self._blocks)
 
-    def add(self, blocks) -> None:
+    def add(self, blocks, earmarks=()) -> None:
         self._blocks.update(blocks)
+        for owner, marked in earmarks:
+            self._marks.update((b, owner) for b in marked if b in self._blocks)
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._marks.clear()
 
-    def draw(self, last: int | None, n: int) -> list[int]:
-        """`n` blocks (at most len(self)) for a table whose last block is `last` (None: empty)."""
+    def marked_for(self, owner: str) -> bool:
+        return owner in self._marks.values()
+
+    def draw(self, owner: str, last: int | None, n: int) -> list[int]:
+        """`n` blocks (at most len(self)) for `owner`'s table, whose last block is `last` (None: empty)."""
         out: list[int] = []
+        mine = sorted(b for b, o in self._marks.items() if o == owner)
         while len(out) < n:
-            block = last + 1 if last is not None and last + 1 in self._blocks else self._placed(n - len(out))
+            block = last + 1 if last is not None else (mine[0] if mine else None)
+            if block not in self._blocks or self._marks.get(block, owner) != owner:
+                block = self._placed(n - len(out))
             self._blocks.remove(block)
+            self._marks.pop(block, None)
             out.append(block)
             last = block
         return out
 
     def _placed(self, wanted: int) -> int:
+        free = sorted(b for b in self._blocks if b not in self._marks) or sorted(self._blocks)
         start, length, run_start, prev = 0, 0, None, None
-        for b in sorted(self._blocks):
+        for b in free:
             if prev is None or b != prev + 1:
                 run_start = b
             prev = b
             if b - run_start + 1 > length:
                 start, length = run_start, b - run_start + 1
-        return start + max(0, length - wanted) // 2
+        return start  # the manager placed each run with room to grow after it
 
 
 class GrantBook:
@@ -101,6 +120,9 @@ class GrantBook:
         self.exhausted = False  # the answer to the latest report: nothing left to give
         self.starved = False  # the last plan had tokens no block could be drawn for
         self.stuck_need = 0  # the most blocks one of those needed
+        self.placing: dict[str, int] = {}  # new tables → the report that asked for their run (-1: not yet)
+        self.waiting_placement = False  # the last plan had a new table waiting for its run
+        self.hinted: dict[str, int] = {}  # running tables → the last block whose successors were asked for
         self.reports = 0
         self.refills = 0
 
@@ -125,6 +147,10 @@ class BlockGrants:
         is left, the newest holder is preempted (see the module's docstring)."""
         g = self.grants
         going, stuck = [], []
+        g.waiting_placement = False
+        live = {s.kv_owner for s in self.seqs if s.state in LIVE and not s.table}
+        g.placing = {o: n for o, n in g.placing.items() if o in live}
+        g.hinted = {s.kv_owner: g.hinted[s.kv_owner] for s in self.seqs if s.kv_owner in g.hinted and s.table}
         for p in plan:
             if p.new_blocks == 0:
                 going.append(p)
@@ -134,6 +160,13 @@ class BlockGrants:
                     going.append(p)
                 else:
                     stuck.append(p)
+            elif not p.seq.table and not g.reserve.marked_for(p.seq.kv_owner) and g.manager_free != 0 \
+                    and (g.placing.get(p.seq.kv_owner, -1) == -1 or g.due_since is not None
+                         and g.placing[p.seq.kv_owner] > g.last_refill):
+                # a new table: the manager places its first run (with room to grow, as
+                # `cache.free_blocks` does) when the next report asks; it starts a step later
+                g.placing.setdefault(p.seq.kv_owner, -1)
+                g.waiting_placement = True
             else:
                 n = min(p.new_blocks, len(g.reserve))
                 tokens = fit_chunk(p.seq, min(p.tokens, (p.seq.table_len + n) * self.block_size - p.seq.kv_len))
@@ -143,7 +176,7 @@ class BlockGrants:
                 n = max(0, blocks_for(p.seq.kv_len + tokens, self.block_size) - p.seq.table_len)
                 self._draw(p.seq, n)
                 going.append(p if tokens == p.tokens else Planned(p.seq, tokens, n, False))
-        g.starved = bool(stuck)
+        g.starved = bool(stuck) or g.waiting_placement
         # a chunk that cannot be cut (a bidirectional span) may need more than the reserve's cap
         g.stuck_need = max((p.new_blocks for p in stuck), default=0)
         if not stuck or g.due_since is not None or not g.exhausted:
@@ -169,7 +202,7 @@ class BlockGrants:
     def _draw(self, seq: Sequence, n: int) -> None:
         if n <= 0:
             return
-        blocks = self.grants.reserve.draw(seq.table[-1] if seq.table else None, n)
+        blocks = self.grants.reserve.draw(seq.kv_owner, seq.table[-1] if seq.table else None, n)
         seq.table.extend(blocks)
         seq.epoch, seq.registered = self.kv_epoch, True
         self.grants.entries.append(Draw(seq.kv_owner, tuple(blocks)))
@@ -187,6 +220,9 @@ class BlockGrants:
         live = sorted((s for s in self.seqs if s.state in LIVE), key=lambda s: s.order)
         if not live:
             return None
+        # a preempted sequence gets back what is still cached of its blocks first (`_resume`):
+        # asking for its whole prefill now would evict those very blocks
+        live = [s for s in live if not s.resumable]
         bs, budget, want = self.block_size, self.config.max_batched_tokens, 0
         ahead = {id(p.seq): p.tokens for p in plan}
         prefills = []
@@ -203,20 +239,24 @@ class BlockGrants:
             want += max(0, blocks_for(kv + chunk, bs) - seq.table_len)
         return want
 
-    def _hints(self, plan: list[Planned]) -> tuple[tuple[int, int], ...]:
-        """(block, n): the blocks after each planned table that its next step will need, when the
-        reserve lacks them — given first by the refill when free, they keep tables consecutive."""
+    def _hints(self, plan: list[Planned]) -> tuple[tuple[str, int | None, int], ...]:
+        """(owner, last block, n): the blocks after each live table that its next step will draw
+        (one at least) when the reserve lacks them — given first by the refill when free, and
+        earmarked for it, they keep tables consecutive."""
+        g = self.grants
+        ahead = {id(p.seq): p.tokens for p in plan}
         hints = []
-        for p in plan:
-            seq = p.seq
-            if not seq.table or seq.table[-1] + 1 in self.grants.reserve:
+        for seq in self.seqs:
+            if seq.state in LIVE and not seq.table and g.placing.get(seq.kv_owner) == -1:
+                chunk = min(seq.target_len - seq.kv_len, self.config.max_batched_tokens)
+                hints.append((seq.kv_owner, None, max(1, blocks_for(seq.kv_len + chunk, self.block_size))))
                 continue
-            end = seq.kv_len + p.tokens
-            ahead = 1 if p.decode or end >= seq.target_len else min(seq.target_len - end,
-                                                                    self.config.max_batched_tokens)
-            need = blocks_for(end + ahead, self.block_size) - seq.table_len
-            if need > 0:
-                hints.append((seq.table[-1] + 1, need))
+            if (seq.state not in LIVE or not seq.table or seq.table[-1] + 1 in g.reserve
+                    or g.hinted.get(seq.kv_owner) == seq.table[-1]):  # asked once per table end
+                continue
+            end = seq.kv_len + ahead.get(id(seq), 0)
+            more = 1 if end >= seq.target_len else min(seq.target_len - end, self.config.max_batched_tokens)
+            hints.append((seq.kv_owner, seq.table[-1], max(1, blocks_for(end + more, self.block_size) - seq.table_len)))
         return tuple(hints)
 
     def _report(self, plan: list[Planned] = ()) -> None:
@@ -234,17 +274,23 @@ class BlockGrants:
         cap = max(1, self.kv.num_blocks // RESERVE_SHARE, g.stuck_need if g.starved else 0)
         # the reserve to hold: the next step's draws, plus RESERVE_SLACK for requests that arrive
         # meanwhile (none when idle); asked for only when the next step's draws are not covered
+        hints = self._hints(plan) if need is not None else ()
         want = 0 if need is None else min(need + RESERVE_SLACK, cap)
         short = g.starved or (need is not None and min(need, cap) > len(g.reserve))
         ask = short and want > len(g.reserve) and g.due_since is None and (g.starved or g.manager_free != 0)
+        ask = ask or bool(hints)  # blocks after a table end are asked for once, when free
         if not (g.entries or g.sent_lease != g.lease or ask):
             return
         number = next(g.numbers)
-        report = StepReport(number, self.kv_epoch, g.lease, tuple(g.entries), want, self.inbox_send,
-                            self._hints(plan) if want > len(g.reserve) else ())
+        report = StepReport(number, self.kv_epoch, g.lease, tuple(g.entries), want, self.inbox_send, hints)
         g.entries, g.sent_lease, g.last_sent, g.exhausted = [], g.lease, number, False
-        if want > len(g.reserve) and g.due_since is None:
-            g.due_since = now
+        for owner, last, _ in report.hints:
+            if last is None:
+                g.placing[owner] = number
+            else:
+                g.hinted[owner] = last
+        if (want > len(g.reserve) or any(last is None for _, last, _ in hints)) and g.due_since is None:
+            g.due_since = now  # answered: the manager always answers a new table's placement
         g.reports += 1
         self.cache_manager.send_nowait(report)
 
@@ -260,7 +306,7 @@ class BlockGrants:
             return
         g.last_refill, g.manager_free, g.due_since = msg.number, msg.free_blocks, None
         g.exhausted = msg.number == g.last_sent and msg.free_blocks == 0
-        g.reserve.add(msg.blocks)
+        g.reserve.add(msg.blocks, msg.earmarks)
         g.refills += 1
 
     def _new_lease(self) -> None:

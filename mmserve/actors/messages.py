@@ -201,8 +201,10 @@ class StepReport:
     tables are void), its releases applied. `lease` names the reservation the draws come from; a
     newer lease gives every block of the older one back (the generator dropped it: when it went
     idle, restarted, or heard of a new manager life) — refills of the older one still on their way
-    are dropped by the generator. `hints`: (block, n) runs that would keep running sequences'
-    tables consecutive, given first when free."""
+    are dropped by the generator. `hints`: (request id, the last block of its table, n): the n
+    blocks after it would keep that table consecutive — given first when free, earmarked for it;
+    with None for the last block, a new table: a run of n placed as `cache.free_blocks` places one
+    (always answered)."""
 
     number: int
     epoch: int | None
@@ -210,7 +212,7 @@ class StepReport:
     entries: tuple[Any, ...]  # Draw | Commit | Release, in order
     want: int
     reply: trio.MemorySendChannel  # the generator's inbox: the refill, and per-request failures
-    hints: tuple[tuple[int, int], ...] = ()
+    hints: tuple[tuple[str, int | None, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,13 +220,16 @@ class Refill:
     """Manager → generator, at most one per report: blocks added to the reservation (held by the
     manager under `Reservation(epoch, lease)` until drawn). `number` is the report it answers; the
     generator takes a refill only of its current epoch and lease, and never the same one twice.
-    `free_blocks`: what the manager could still give (free or evictable) after it."""
+    `free_blocks`: what the manager could still give (free or evictable) after it. `earmarks`: the
+    blocks of `blocks` given for a hint, by request (the rest are placed as a new table would be,
+    with room to grow)."""
 
     epoch: int
     lease: int
     number: int
     blocks: tuple[int, ...]
     free_blocks: int
+    earmarks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ holds under an owner of its own (`Reservation(epoch, lease)`) and hands the gene
 each step did in one `StepReport` (never awaited): the draws (moved here from the reservation
 to the request), `Commit`s (a full block holds what its hash names: bookkeeping), `Release`s (a
 request's references dropped; its committed blocks stay cached), and how many blocks it wants in
-reserve. At most one `Refill` answers a report — free blocks first (a running sequence's next
-block when the report hints it, so its table stays consecutive), then least-recently-used cached
-blocks nobody references, evicted. So a step costs one message each way, never a round trip. A
+reserve. At most one `Refill` answers a report — a running sequence's next blocks when the
+report hints them and they are free (earmarked for it, so its table stays consecutive), then
+blocks placed as a new table's would be (free ones with room to grow first, then least-recently-used
+cached blocks nobody references, evicted). So a step costs one message each way, never a round trip. A
 miss registers the request as computing the missing blocks; a later request missing the same
 blocks waits for its commit instead (in-flight dedup), and computes them itself if it releases
 first or the wait times out. The tensors live with the generator, which writes only into blocks
@@ -282,26 +283,46 @@ class PrefixCacheManager(Actor):
 
     async def _refill(self, msg: StepReport) -> None:
         """Tops the reservation up to what the generator wants, as far as free and evictable blocks
-        allow (nothing when it holds enough): hinted free blocks first, then as `allocate` gives
-        them. A refill the generator cannot take (closed channel) goes back at once."""
+        allow (nothing when it holds enough): hinted blocks first — the free ones after a running
+        table, a placed run for a new one — earmarked for their sequence, then the rest placed as
+        a new table's run. A refill the generator cannot take (closed channel) goes back at once."""
         owner = self.reservation
         before = len(self.arena.table(owner))
-        if msg.want <= before:
+        general = max(0, msg.want - before)  # unmarked blocks asked for (new tables' runs among them)
+        if not general and not msg.hints:
             return
         await afault("prefix.refill")
-        budget = min(msg.want - before, self.arena.num_free())
-        for first, n in msg.hints:
-            for block in range(first, min(first + n, self.num_blocks)):
-                if budget <= 0 or not self.arena.claim(owner, block):
-                    break
-                budget -= 1
-        taken = self.arena.allocate_evicting(owner, budget)
+        budget = min(general + sum(n for *_, n in msg.hints), self.arena.num_free())
+        earmarks = []
+        for rid, last, n in msg.hints:
+            got = []
+            if last is None:  # a new table: a run placed as `cache.free_blocks` places one
+                placed = self.arena.allocate_evicting(("placing", owner), max(0, min(n, budget)))
+                got = [block for block, _ in placed]
+                self.arena.move(("placing", owner), owner, got)
+                general -= len(got)
+            else:  # the free blocks after a running table — while free blocks are plentiful: held
+                # ahead, they would otherwise make the arena evict cached blocks sooner
+                for block in range(last + 1, min(last + 1 + n, self.num_blocks)):
+                    if (len(got) >= budget or self.arena.num_unused() <= general + self.num_blocks // 8
+                            or not self.arena.claim(owner, block)):
+                        break
+                    got.append(block)
+            budget -= len(got)
+            if got:
+                earmarks.append((rid, tuple(got)))
+        placing = ("placing", owner)  # the rest as a new table's run, then moved to the reservation
+        taken = self.arena.allocate_evicting(placing, max(0, min(budget, general)))
+        self.arena.move(placing, owner, [block for block, _ in taken])
         evicted = [(block, h) for block, h in taken if h is not None]
         if evicted:  # no free block was left: least recently used cached blocks made room
             self.log.info("prefix_cache.evict", request_id=str(owner), blocks=[b for b, _ in evicted],
                           hashes=[key_prefix(h) for _, h in evicted])
         blocks = self.arena.table(owner)[before:]
-        if not _send(msg.reply, Refill(self.epoch, self.lease, msg.number, blocks, self.arena.num_free())):
+        if not blocks and msg.want <= before and all(last is not None for _, last, _ in msg.hints):
+            return  # only hints after running tables, none of them free: nothing to say
+        if not _send(msg.reply, Refill(self.epoch, self.lease, msg.number, blocks, self.arena.num_free(),
+                                       tuple(earmarks))):
             self.arena.truncate(owner, before)  # nobody will draw them
 
     def _resume(self, msg: Resume) -> None:

@@ -326,6 +326,10 @@ class BlockArena:
         """Blocks `allocate` can give: free plus evictable."""
         return len(self._free) + len(self._lru)
 
+    def num_unused(self) -> int:
+        """Free blocks only (no hash, no reference): what `claim` can take without evicting."""
+        return len(self._free)
+
     def num_used(self) -> int:
         """Blocks referenced by at least one block table."""
         return self._referenced
