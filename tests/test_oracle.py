@@ -71,10 +71,13 @@ def runtimes(three_model_config):
     # smaller KV heads), where one 3-turn conversation takes up to 11: concurrent conversations
     # preempt each other and evict what is cached
     config = three_model_config
-    cached = config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384}, encoder_cache={"max_entries": 3})
     with SyncRuntime(config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
-        with SyncRuntime(cached) as on:
+        with SyncRuntime(tiny_arena(config)) as on:
             yield on, off
+
+
+def tiny_arena(config):
+    return config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384}, encoder_cache={"max_entries": 3})
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -94,8 +97,9 @@ def test_cache_on_equals_cache_off(runtimes, workload):
             if got is not None:
                 assert got == expected, (c.model, history)
             history.append({"role": "assistant", "content": expected})
-    stats = on.stats()
-    assert any(s["prefix_cache"]["hit_blocks"] for s in stats.values())
+    stats = on.stats()  # the runtime's whole life so far: every example up to this one
+    if any(len(c.turns) > 1 for c in workload):  # single turns alone may all miss (new images)
+        assert any(s["prefix_cache"]["hit_blocks"] for s in stats.values())
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -170,11 +174,25 @@ def test_greedy_choices_equal_the_single_cache_off_answer_concurrently(runtimes,
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
 
 
-def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact(runtimes):
+def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact(runtimes, three_model_config):
     """16 conversations at once in an arena that holds a few of them: blocks run out, the newest
     sequences are preempted and recomputed, cached blocks are evicted — and every answer equals
-    its cache-off answer, with nothing held afterwards."""
-    on, off = runtimes
+    its cache-off answer, with nothing held afterwards. A fresh cache-on runtime: what the
+    hypothesis examples before it left cached would decide which blocks a preemption can resume."""
+    _, off = runtimes
+    # preempted sequences get blocks of theirs back from the cache (a resume) when no refill evicted
+    # them first, which the order of the 16 requests' steps decides: one run in about ten shows none
+    # (each run is exact regardless); two runs without a single resume would be a regression
+    for attempt in range(2):
+        with SyncRuntime(tiny_arena(three_model_config)) as on:
+            if _sixteen_in_a_tiny_arena(on, off):
+                return
+    pytest.fail("two runs in a tiny arena, and no preempted sequence got a block back from the cache")
+
+
+def _sixteen_in_a_tiny_arena(on, off) -> bool:
+    """Runs the 16 at once, checks every answer and that preemptions happened; whether a
+    preempted sequence resumed blocks from the cache."""
     images = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=1300 + i, size=SIZES[i % len(SIZES)])
               for i in range(16)]
     convos = [(MODELS[i % 3],
@@ -194,6 +212,5 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
     assert got == expected
     generators = [on.runtime.registry.require(n).generator for n in MODELS]
     assert sum(g.preemptions for g in generators) > before, "the arena was large enough: nothing was preempted"
-    # preempted sequences got blocks of theirs back from the cache instead of recomputing them
-    assert sum(g.resumed_blocks for g in generators) > resumed_before
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
+    return sum(g.resumed_blocks for g in generators) > resumed_before

@@ -282,7 +282,8 @@ class BlockGrants:
         if not (g.entries or g.sent_lease != g.lease or ask):
             return
         number = next(g.numbers)
-        report = StepReport(number, self.kv_epoch, g.lease, tuple(g.entries), want, self.inbox_send, hints)
+        report = StepReport(number, self.kv_epoch, g.lease, tuple(g.entries), want, self.inbox_send, hints,
+                            slack=max(0, want - (need or 0)))
         g.entries, g.sent_lease, g.last_sent, g.exhausted = [], g.lease, number, False
         for owner, last, _ in report.hints:
             if last is None:
@@ -355,13 +356,18 @@ class BlockGrants:
         A round trip, after the report that carries their releases."""
         wants = []
         for seq in seqs:
-            seq.resumable = False
             most = (seq.target_len - 1) // self.block_size
             if not seq.table and seq.kv_len == 0 and most > 0:  # hits only ever start an empty table
                 wants.append((seq.kv_owner, tuple(seq.hashes[:most])))
+        if wants:
+            # their releases reach the manager first — while they are still resumable, so that this
+            # report neither asks for their prefill nor places tables for them: the refill would
+            # evict the very blocks the resume is about to take back
+            self._report()
+        for seq in seqs:
+            seq.resumable = False
         if not wants:
             return
-        self._report()  # their releases reach the manager first
         send, replies = trio.open_memory_channel(1)
         self.cache_manager.send_nowait(Resume(tuple(wants), send))
         reply: Resumed | None = None

@@ -22,12 +22,13 @@ import trio
 
 from mmserve.actors import compute
 from mmserve.actors.base import Actor
-from mmserve.actors.choices import BlockCopy, children, fork_of
+from mmserve.actors.choices import BlockCopy
+from mmserve.actors.forking import Forking
 from mmserve.actors.faults import fault
 from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
-    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent, copy_pin)
+    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
@@ -36,14 +37,14 @@ from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.errors import BadRequest, MMServeError, ServiceUnavailable
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
-from mmserve.generation.step_sampling import Sampled, sample_rows_and
+from mmserve.generation.step_sampling import sample_rows_and
 from mmserve.generation.scheduler import Planned, plan_step
 from mmserve.models.adapter import Adapter
 from mmserve.generation.runner import ModelRunner, StepInputs
 from mmserve.models.paged import Segment
 
 
-class Generator(BlockGrants, Answers, Actor):
+class Generator(BlockGrants, Answers, Forking, Actor):
     name = "generator"
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
@@ -371,37 +372,6 @@ class Generator(BlockGrants, Answers, Actor):
     def _banned(self, seq: Sequence) -> torch.Tensor:
         return banned_ids(seq, self._image_token, self._eos, self.adapter.vocab_size)
 
-    async def _fork(self, p: Planned, firsts: list[Sampled]) -> Sampled | Exception:
-        """The other choices of `p.seq`, whose prefill this step ended, as sequences of their own
-        over its blocks, each with its first token; the parent's first token is returned."""
-        parent, kv_end = p.seq, p.seq.kv_len + p.tokens
-        send, replies = trio.open_memory_channel(1)
-        self.cache_manager.send_nowait(fork_of(parent, kv_end, self.block_size, send))
-        forked = None
-        with replies, trio.move_on_after(self.config.lookup_timeout_s):
-            forked = await replies.receive()
-        if forked is not None and forked.epoch != parent.epoch:  # a restarted manager: none of it holds
-            self._release_forked(forked)
-            forked = None
-        if forked is None:
-            return ServiceUnavailable("the KV cache did not answer while the request's choices were set up; "
-                                      "retry", retry_after_s=1.0)
-        try:
-            made = children(parent, forked, kv_end, self.block_size, order=lambda: next(self._orders),
-                            assembler=lambda: text_assembler(self.adapter, parent.handle.request))
-        except MMServeError as e:  # the request fails alone; what the manager gave its choices goes back
-            self._release_forked(forked)
-            return e
-        parent.forks = []
-        self.log.info("generator.forked", request_id=parent.request_id, choices=len(made) + 1,
-                      shared_blocks=kv_end // self.block_size, copied_blocks=sum(c is not None for _, c in made))
-        for (child, copy), first in zip(made, firsts[1:]):
-            self.seqs.append(child)
-            if copy is not None:
-                self._copies.append(copy)
-            self._accept(child, first)
-        return firsts[0]
-
     def _echo(self, seq: Sequence) -> None:
         """With `echo`, every choice's text starts with the prompt's (its text as sent, or its ids
         decoded), and with the prompt's logprobs asked for, every choice gets them: once per
@@ -415,13 +385,6 @@ class Generator(BlockGrants, Answers, Actor):
         scores = prompt_logprobs(seq, self._pieces) if raw.logprobs is not None else ()
         for c in range(seq.handle.choices):
             seq.handle.emit(TokenEvent(text, -1, c, prompt=scores))
-
-    def _release_forked(self, forked) -> None:
-        """What the manager gave a request's choices goes back (they will not run)."""
-        for owner, _, source in forked.tables:
-            self.cache_manager.send_nowait(Release(owner))
-            if source is not None:
-                self.cache_manager.send_nowait(Release(copy_pin(owner)))
 
     def _release_copies(self) -> None:
         """The copy sources of forked choices are no longer needed (copied, or their child is gone)."""

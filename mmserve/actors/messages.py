@@ -204,7 +204,7 @@ class StepReport:
     are dropped by the generator. `hints`: (request id, the last block of its table, n): the n
     blocks after it would keep that table consecutive — given first when free, earmarked for it;
     with None for the last block, a new table: a run of n placed as `cache.free_blocks` places one
-    (always answered)."""
+    (always answered). `slack`: how many of `want` are spare, never worth an eviction."""
 
     number: int
     epoch: int | None
@@ -213,6 +213,8 @@ class StepReport:
     want: int
     reply: trio.MemorySendChannel  # the generator's inbox: the refill, and per-request failures
     hints: tuple[tuple[str, int | None, int], ...] = ()
+    slack: int = 0  # of `want`, blocks beyond the next step's draws: given from free blocks only,
+    # never by evicting a cached one (a just-preempted request's blocks are the ones it would resume)
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,12 @@ reservation's blocks drawn by a request).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 from mmserve.cache.free_blocks import FreeBlocks
+from mmserve.cache import arena_invariants
 from mmserve.cache.keys import key_prefix
 
 FREE = "free"
@@ -367,53 +368,8 @@ class BlockArena:
         return rows
 
     def check_invariants(self) -> None:
-        """Raise ValueError naming the first broken invariant, if any."""
-        n = self.num_blocks
-        if len(self._refs) != n:
-            raise ValueError(f"{len(self._refs)} refcounts kept for {n} blocks")
-        if bad := [b for b, c in enumerate(self._refs) if c < 0]:
-            raise ValueError(f"negative refcount for blocks {bad}")
-        for owner, table in self._tables.items():
-            if not table:
-                raise ValueError(f"owner {owner!r} kept with an empty block table")
-            if bad := [b for b in table if not _in_range(b, n)]:
-                raise ValueError(f"owner {owner!r}'s table holds blocks out of range [0, {n}): {bad}")
-        expected = Counter(b for table in self._tables.values() for b in table)
-        if bad := [b for b in range(n) if self._refs[b] != expected.get(b, 0)]:
-            b = bad[0]
-            raise ValueError(f"refcount of block {b} is {self._refs[b]}, but {expected.get(b, 0)} "
-                             "table positions reference it")
-        referenced = {b for b in range(n) if self._refs[b] > 0}
-        if self._referenced != len(referenced):
-            raise ValueError(f"referenced count {self._referenced} != {len(referenced)} referenced blocks")
-        self._free.check(n)
-        free = set(self.free_blocks())
-        evictable = set(self._lru)
-        if bad := sorted(b for b in free | evictable | set(self._hash_of) if not _in_range(b, n)):
-            raise ValueError(f"blocks out of range [0, {n}): {bad}")
-        if both := free & referenced:
-            raise ValueError(f"blocks both free and referenced: {sorted(both)}")
-        if both := evictable & referenced:
-            raise ValueError(f"blocks both evictable and referenced: {sorted(both)}")
-        if both := free & evictable:
-            raise ValueError(f"blocks both free and evictable: {sorted(both)}")
-        if lost := sorted(set(range(n)) - free - evictable - referenced):
-            raise ValueError(f"blocks neither free, evictable nor referenced: {lost}")
-        if len(self._block_of) != len(self._hash_of):
-            raise ValueError(f"{len(self._block_of)} hash→block entries but {len(self._hash_of)} block→hash")
-        for h, block in self._block_of.items():
-            if self._hash_of.get(block) != h:
-                other = self._hash_of.get(block)
-                raise ValueError(f"entry {key_prefix(h)} → block {block}, but block {block} is described "
-                                 f"by {key_prefix(other) if other is not None else None}")
-        if bad := sorted(free & set(self._hash_of)):
-            raise ValueError(f"free blocks with a hash: {bad}")
-        if evictable != set(self._hash_of) - referenced:
-            raise ValueError(f"evictable blocks {sorted(evictable)} != hashed unreferenced blocks "
-                             f"{sorted(set(self._hash_of) - referenced)}")
-        stamps = list(self._lru.values())
-        if any(a >= b for a, b in zip(stamps, stamps[1:])):
-            raise ValueError(f"LRU order {list(self._lru)} is not by release {stamps}")
+        """Raise ValueError naming the first broken invariant, if any (`arena_invariants`)."""
+        arena_invariants.check_invariants(self)
 
     def __repr__(self) -> str:
         s = self.stats()
