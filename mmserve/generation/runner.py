@@ -85,6 +85,11 @@ class ModelRunner:
         self.static_steps = 0  # decode steps that ran from the static buffers
         self.eager_steps = 0
 
+    @property
+    def captures(self) -> bool:
+        """Whether decode steps run as captured CUDA graphs (`capture` then has work to do)."""
+        return self.graphs is not None and self.graphs.capture
+
     @torch.inference_mode()
     def capture(self) -> int:
         """Captures the decode graph of every bucket now (CUDA with graphs on; else nothing), so
