@@ -5,6 +5,8 @@ two families loaded at once — the tiny LLaVA-OneVision (anyres tiles, unpaddin
 tokenizer and `<image>` token id: only the model signature keeps their keys apart) — in a tiny
 arena and a 3-entry encoder cache (evictions, preemptions), interleaved turn by turn,
 concurrently, with n choices, disconnects, and hits that end inside an image, inside its tiles.
+Then two replicas on one real redis-server: a hit restored from Redis that ends inside an image's
+tile map gets that image's remaining rows from the shared tier.
 
 The random-weight model's greedy margins are small, so its answers carry logprobs and a mismatch
 is judged by PITFALLS.md's rule: the cached path's logits differ from a full prefill's by ~1e-7,
@@ -20,9 +22,12 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mmserve import Runtime
 from mmserve.config import ModelConfig
 from mmserve.models.demo import Q_FIRST, Q_SHAPE, build_untrained
+from tests.conftest import on_device
 from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
+from tests.redis_server import RedisServer
 
 # (width, height): tiles and tokens under tiny-llava-onevision (32 px tiles, anyres_max_4):
 # 64x64 2x2: 88, 48x40 2x2: 70, 32x32 1x1: 36, 100x40 2x3 pooled: 68, 40x100 3x2 pooled: 76,
@@ -36,9 +41,14 @@ ask, mismatch, user_message = ORACLE.ask, ORACLE.mismatch, ORACLE.user_message
 
 
 @pytest.fixture(scope="module")
-def runtimes(demo_config, tmp_path_factory):
-    ov = build_untrained("tiny-llava-onevision", tmp_path_factory.mktemp("ov") / "tiny-ov", seed=0,
-                         random_weights=True)
+def ov_dir(tmp_path_factory):
+    return build_untrained("tiny-llava-onevision", tmp_path_factory.mktemp("ov") / "tiny-ov", seed=0,
+                           random_weights=True)
+
+
+@pytest.fixture(scope="module")
+def runtimes(demo_config, ov_dir):
+    ov = ov_dir
     # 20 blocks of 8 tokens for demo, 80 for the tiny OneVision (smaller KV): one 3-image turn
     # takes up to ~32, so concurrent conversations preempt each other and evict what is cached
     with ORACLE.runtimes(demo_config, [ModelConfig("ov", str(ov))],
@@ -116,3 +126,43 @@ def test_concurrent_requests_in_a_tiny_arena_preempt_and_stay_exact(runtimes):
 def test_the_workloads_reached_what_they_test(runtimes):
     """Run last: the workloads above reached what they test."""
     ORACLE.reached_what_it_tests(runtimes, "ov")
+
+
+# -- two replicas on one redis-server ----------------------------------------------------------
+
+
+async def test_a_hit_restored_from_redis_ending_inside_a_tile_gets_the_rest_from_the_tier(
+        demo_config, ov_dir, tmp_path):
+    """Replica A answers [X, Y]; replica B is asked [X, Z]: it restores A's KV
+    blocks from Redis up to a boundary inside X's tile map and takes X's encoder output from the
+    shared tier, encoding only Z; the answer is the cache-off one."""
+    model = ModelConfig("ov", str(ov_dir), default=True)
+    base = on_device(demo_config.replace(models=(model,)))
+    off_config = base.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})
+    x, y, z = 0, 1, 3  # 88 (2x2 tiles), 70 and 68 tokens
+    first = [user_message(Turn((x, y), Q_FIRST, None))]
+    second = [user_message(Turn((x, z), Q_FIRST, None))]
+    extra = dict(temperature=0, max_tokens=8, min_tokens=8, logprobs=True, top_logprobs=2)
+    async with Runtime.open(off_config) as off:
+        expected = (await off.chat_completion(second, **extra)).choices[0]
+    with RedisServer(tmp_path / "redis", None) as server:
+        shared = base.replace(kv_cache={"block_size": 8}, shared_cache={
+            "url": server.url, "lookup_deadline_ms": 3000.0, "backoff_s": 0.05, "max_backoff_s": 0.2})
+        async with Runtime.open(shared) as a, Runtime.open(shared) as b:
+            await a.chat_completion(first, **extra)
+            tier_a = a.registry.require("ov").actors["shared_tier"]
+            with trio.fail_after(10):
+                while tier_a.pending_writes:
+                    await trio.sleep(0.01)
+            adapter = b.registry.require("ov").adapter
+            chat = [{"role": "user", "content": [{"type": "image"}] * 2 + [{"type": "text", "text": Q_FIRST}]}]
+            prompt = adapter.tokenize(chat, [IMAGES[x], IMAGES[z]])
+            span, boundary = prompt.spans[0], (prompt.spans[1].start // 8) * 8
+            assert span.start + adapter.processor_settings["num_image_tokens"] < boundary < span.start + span.length
+            got = await b.chat_completion(second, **extra)
+            enc = b.registry.require("ov").encoder.stats()
+            tier_b = b.registry.require("ov").actors["shared_tier"].stats()
+    assert got.usage.cached_tokens == boundary
+    assert (enc["shared_hits"], enc["items_encoded"]) == (1, 1), enc  # X from Redis, Z encoded
+    assert tier_b["corrupt"] == 0 and tier_b["block_hits"] > 0, tier_b
+    assert mismatch("ov", got.choices[0], expected, "restored from redis, inside a tile") is None
