@@ -18,14 +18,14 @@ as its mask function.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from mmserve.attention import AttentionBackend, PagedMetadata, write_kv
+from mmserve.attention import AttentionBackend, PagedMetadata, UnsupportedAttentionFeature, write_kv
 
 ATTN_IMPLEMENTATION = "mmserve_paged"
 """The name the paged attention function is registered under (`AttentionInterface`)."""
@@ -76,8 +76,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if step is None:
         raise RuntimeError(f"a paged step needs {KWARG}=<its step> in the forward's keyword arguments")
     if kwargs.get("softcap") or (dropout and module.training):
-        raise NotImplementedError("paged attention implements no logit soft-capping and no dropout: "
-                                  "a model that asks for them is refused at load")
+        # load refuses such a model (`check_attention`); a layer asking anyway is an error, never ignored
+        raise UnsupportedAttentionFeature("paged attention implements no logit soft-capping and no dropout")
     # the layer's own sliding window (transformers passes it per layer: Gemma 3, Mistral, Qwen2)
     return step.attend(module.layer_idx, query, key, value, scaling, window=kwargs.get("sliding_window")), None
 
