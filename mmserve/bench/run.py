@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -16,6 +17,7 @@ import transformers
 import trio
 from tqdm import tqdm
 
+from mmserve.bench.baselines import release_device_memory
 from mmserve.bench.context import Bench
 from mmserve.bench.model import (built_preset, default_model_dir, ensure_model, family_name, is_qwen,
                                  tokens_per_image)
@@ -96,11 +98,18 @@ async def _run_scenarios(bench: Bench, bar: tqdm) -> dict:
         for name in bench.params.scenarios:
             bar.set_description(name)
             results[name] = await _run_one(name, bench)
+            _write_partial(bench.workdir, results)
             bar.update(1)
         nursery.cancel_scope.cancel()  # the SIGTERM watcher
     if terminated:
         raise SystemExit(128 + signal.SIGTERM)
     return results
+
+
+def _write_partial(out: Path, results: dict) -> None:
+    """The scenarios finished so far, rewritten after each: a run killed by a time limit (a lent
+    GPU's) keeps what it measured."""
+    (out / "partial.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 async def _cancel_on_sigterm(scope: trio.CancelScope, terminated: list) -> None:
@@ -124,6 +133,11 @@ async def _run_one(name: str, bench: Bench) -> dict:
                   "rows": [{"scenario": name, "metric": "error", "value": error, "unit": "",
                             "baseline": None, "ratio": None, "target": None, "ok": False}]}
     result["duration_s"] = time.perf_counter() - t0
+    # the scenario's frames held its runtimes until it returned: hand their device memory back now,
+    # or the next scenario's server (its own process) finds the GPU full
+    release_device_memory(bench.params.device)
+    if torch.device(bench.params.device).type == "cuda":
+        result["device_memory_after_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     return result
 
 

@@ -14,7 +14,6 @@ import trio
 
 from mmserve.bench.common import QUESTIONS, SYSTEM_A, assistant, median, ratio, row, system, timed_http, user
 from mmserve.bench.context import Bench
-from mmserve.bench.redis_server import RedisServer
 from mmserve.bench.scenarios.shared import at_most
 from mmserve.bench.servers import http_server
 
@@ -64,6 +63,8 @@ async def replicas(b: Bench) -> dict:
                 "rows": [row("7 replicas", "skipped", reason, "", target=None, ok=None)]}
     p = b.params
     # one owner, started once, stopped on every way out (the readiness poll runs in a worker thread)
+    from mmserve.bench.redis_server import RedisServer  # redis-py only where this scenario runs (not on the GPU machine)
+
     async with RedisServer(b.workdir / "redis") as redis:
         tier, plain = b.config().replace(shared_cache={"url": redis.url}), b.config()
         async with _server(b, tier, "tier-a") as ta, _server(b, tier, "tier-b") as tb, \
