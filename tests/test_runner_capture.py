@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mmserve.attention import select
-from mmserve.generation.decode_graphs import bucket_of, buckets
+from mmserve.generation.decode_graphs import DecodeGraphs, bucket_of, buckets
 from mmserve.generation.runner import ModelRunner, StepInputs
 from mmserve.models.loading import load_adapter
 from mmserve.models.paged import Segment
@@ -220,7 +220,7 @@ def test_padding_rows_write_only_the_spare_block(adapter):
     before = [t.clone() for t in (*runner.kv.keys, *runner.kv.values)]
     with torch.inference_mode():
         # as at load: every bucket captured on padding rows (warm-ups included; nothing off CUDA)
-        assert runner.capture() == (len(runner.buckets) if DEVICE == "cuda" else 0)
+        assert runner.capture() == (len(runner.buckets) if DEVICE == "cuda" else 0), runner.graphs.failed
         for bucket in runner.buckets:
             runner.buffers.clear(bucket)
             assert torch.isfinite(runner.graphs.run(bucket)).all()
@@ -276,3 +276,39 @@ async def test_runtime_serves_through_the_triton_backend_as_through_sdpa(three_m
                 assert runner.static_steps > 0
         answers[backend] = got
     assert answers["triton"] == answers["sdpa"] and all(answers["sdpa"].values())
+
+
+def test_a_bucket_whose_capture_fails_decodes_eagerly(monkeypatch):
+    """The bookkeeping of a failed capture (the driver refusing one, as a Qwen2-VL bucket did on an
+    H100 and an H200): that bucket runs its body eagerly from then on, is never retried, and the
+    others replay; the stream a failed capture leaves current is restored. The CUDA calls are
+    stand-ins here: the GPU run exercises the real ones."""
+    calls, current = [], ["main"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def body(bucket):
+        calls.append(bucket)
+        return torch.full((bucket, 3), float(bucket))
+
+    graphs = DecodeGraphs(body, torch.device("cuda", 0), capture=True)
+
+    class Replayable:
+        def replay(self):
+            calls.append("replay")
+
+    def capture(bucket):
+        if bucket == 2:
+            current[0] = "capture-stream"  # what torch.cuda.graph leaves when capture_end raises
+            raise torch.AcceleratorError("CUDA error: operation failed due to a previous error during capture")
+        return Replayable(), body(bucket)
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    assert graphs.capture_all((1, 2, 4), clear=lambda b: None) == 2
+    assert set(graphs.graphs) == {1, 4} and list(graphs.failed) == [2] and current[0] == "main"
+    assert "previous error during capture" in graphs.failed[2]
+    calls.clear()
+    assert graphs.run(2).shape == (2, 3) and graphs.run(4).shape == (4, 3) and graphs.run(2)[0, 0] == 2
+    assert calls == [2, "replay", 2]  # the failed bucket eagerly, each time; no second capture of it
+

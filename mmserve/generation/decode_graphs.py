@@ -116,33 +116,53 @@ class DecodeBuffers:
 
 class DecodeGraphs:
     """Runs `body(bucket)` (the decode step over the buffers' first `bucket` rows, returning its
-    logits); on CUDA as a graph per bucket, captured on first use and replayed after."""
+    logits); on CUDA as a graph per bucket, captured on first use and replayed after.
+
+    A bucket whose capture fails (the driver invalidates a capture it cannot record) runs its body
+    eagerly from the same buffers from then on — the same step, with its launch overhead — and is
+    listed in `failed` with the error: a model whose graphs cannot all be captured still serves.
+    Should the device fail the eager step too, that error is raised."""
 
     def __init__(self, body: Callable[[int], torch.Tensor], device: torch.device, capture: bool):
         self.body, self.device = body, device
         self.capture = capture and device.type == "cuda"
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self.failed: dict[int, str] = {}
         self._pool = None
 
     def run(self, bucket: int) -> torch.Tensor:
-        if not self.capture:
+        if not self.capture or bucket in self.failed:
             return self.body(bucket)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
+        if bucket not in self.graphs and not self._try_capture(bucket):
+            return self.body(bucket)
         graph, out = self.graphs[bucket]
         graph.replay()
         return out
 
     def capture_all(self, buckets: Sequence[int], clear: Callable[[int], None]) -> int:
-        """Captures every bucket not captured yet (on padding-only buffers, `clear`), largest first
-        so the smaller ones reuse its memory pool; the number captured (0 off CUDA)."""
+        """Captures every bucket not captured (or failed) yet, on padding-only buffers (`clear`),
+        largest first so the smaller ones reuse its memory pool; the number captured (0 off CUDA)."""
         if not self.capture:
             return 0
-        todo = [b for b in sorted(buckets, reverse=True) if b not in self.graphs]
+        todo = [b for b in sorted(buckets, reverse=True) if b not in self.graphs and b not in self.failed]
+        captured = 0
         for b in todo:
             clear(b)
-            self.graphs[b] = self._capture(b)
-        return len(todo)
+            captured += self._try_capture(b)
+        return captured
+
+    def _try_capture(self, bucket: int) -> bool:
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            self.graphs[bucket] = self._capture(bucket)
+            return True
+        except RuntimeError as e:  # torch.AcceleratorError, Triton's launch errors
+            # torch.cuda.graph's exit does not restore the stream when capture_end raises
+            torch.cuda.set_stream(stream)
+            self.failed[bucket] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        self.body(bucket)  # the eager step on this device still works, or its error is raised
+        torch.cuda.synchronize(self.device)
+        return False
 
     def _capture(self, bucket: int):
         stream = torch.cuda.Stream(self.device)
