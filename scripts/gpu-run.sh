@@ -3,6 +3,7 @@
 #   run with carry [".gpu"]:   bash scripts/gpu-run.sh           # = all: the engine's CUDA tests, then the bench (<= 9 min)
 #                              bash scripts/gpu-run.sh tests     # the suite on CUDA (~3 min)
 #                              bash scripts/gpu-run.sh bench     # mmserve bench --params gpu (~6 min)
+#                              bash scripts/gpu-run.sh probe     # which decode-graph captures fail, and when (~1 min)
 #                              bash scripts/gpu-run.sh smoke     # a 4-token llava-7b bench: the machinery only
 # Try it here first with OUT=/tmp/out DEVICE=cpu (the tests part runs on the CPU then).
 set -uo pipefail
@@ -24,14 +25,17 @@ case "$what" in
     MMSERVE_TEST_DEVICE=$DEVICE timeout 150 $PY -m pytest tests/test_runner_capture.py tests/test_triton_attention.py \
       tests/test_paged_attention.py tests/test_runtime.py -q -p no:cacheprovider > "$OUT/pytest-engine-$DEVICE.txt" 2>&1
     tail -15 "$OUT/pytest-engine-$DEVICE.txt"
+    timeout 60 $PY scripts/gpu_capture_probe.py > "$OUT/capture-probe.txt" 2>&1; tail -14 "$OUT/capture-probe.txt"
     timeout 380 $PY -m mmserve.cli bench --params gpu --device "$DEVICE" --out "$OUT/bench" > "$OUT/bench.log" 2>&1
     tail -5 "$OUT/bench.log"; cat "$OUT/bench/report.md" 2>/dev/null | head -60 ;;
   bench)
     timeout 570 $PY -m mmserve.cli bench --params gpu --device "$DEVICE" --out "$OUT/bench" > "$OUT/bench.log" 2>&1
     tail -5 "$OUT/bench.log"; cat "$OUT/bench/report.md" 2>/dev/null | head -60 ;;
+  probe)
+    timeout 120 $PY scripts/gpu_capture_probe.py 2>&1 | tee "$OUT/capture-probe.txt" | tail -20 ;;
   smoke)
     timeout 300 $PY -m mmserve.cli bench --params test --preset llava-7b --device "$DEVICE" --dtype bfloat16 \
       --scenarios decode,concurrency --out "$OUT/smoke" > "$OUT/smoke.log" 2>&1
     tail -20 "$OUT/smoke.log" ;;
-  *) echo "usage: scripts/gpu-run.sh [all|tests|bench|smoke]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu-run.sh [all|tests|bench|probe|smoke]" >&2; exit 2 ;;
 esac
