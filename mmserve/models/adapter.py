@@ -287,6 +287,45 @@ class Adapter(ABC):
         return self.embed(input_ids, pieces), {}
 
     @torch.inference_mode()
+    def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None = None, start: int = 0,
+                positions: torch.Tensor | None = None, lm_kwargs: dict | None = None,
+                spans: Sequence[tuple[int, int]] = ()) -> StepOutput:
+        """The language model over [1, T, H] embeddings after `start` positions held in `cache` (a
+        contiguous transformers cache; None: a new one): the model's own path, the reference the
+        paged step is tested against and the benchmark's bare suffix prefill. `positions`: M-RoPE
+        positions [3, T] (None: start .. start+T-1); `lm_kwargs`: the family's, from `step_inputs`;
+        `spans`: the sequence's bidirectional runs [lo, hi) (`PromptInputs.bidirectional`), which
+        `prefill_masks` turns into the family's attention masks."""
+        cache = cache if cache is not None else DynamicCache(config=self.text_config)
+        t = inputs_embeds.shape[1]
+        if positions is None:
+            position_ids = torch.arange(start, start + t, device=self.device).unsqueeze(0)
+        else:
+            position_ids = positions.to(self.device).unsqueeze(1)
+        masks = self.prefill_masks(inputs_embeds, cache, position_ids, start, spans) if spans else {}
+        out = self.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache, use_cache=True,
+                                  **(lm_kwargs or {}), **masks)
+        logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
+        return StepOutput(logits.float(), out.cache)
+
+    def prefill_masks(self, inputs_embeds: torch.Tensor, cache, position_ids: torch.Tensor, start: int,
+                      spans: Sequence[tuple[int, int]]) -> dict:
+        """The language model's keyword arguments that make `prefill`'s tokens [start, start+T) see
+        `spans` both ways (a family with bidirectional spans overrides it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no bidirectional attention spans")
+
+    def generate_inputs(self, prompt: PromptInputs, items: Sequence = ()) -> dict:
+        """The model's own `forward` / `generate` inputs for one prompt, from mmserve's tokens and
+        pixel items (`pixel_values`; what the runtime encodes): input_ids and attention_mask [1, T]
+        and the family's image tensors, as its transformers processor would give them (for a family
+        whose processor cannot be built here: it needs torchvision)."""
+        raise NotImplementedError(f"{type(self).__name__} builds no generate inputs (use its processor)")
+
+    def _token_inputs(self, prompt: PromptInputs) -> dict:
+        ids = torch.tensor([list(prompt.input_ids)], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    @torch.inference_mode()
     def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena,
                       positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None,
                       lm_kwargs: dict | None = None, spans=None) -> torch.Tensor:

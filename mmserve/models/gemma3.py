@@ -38,6 +38,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 from transformers import AutoTokenizer, Gemma3ImageProcessorPil
+from transformers.models.gemma3.modeling_gemma3 import (create_masks_for_vision_model,
+                                                      get_block_sequence_ids_for_mask)
 
 from mmserve.cache.keys import processor_digest
 from mmserve.errors import CheckpointError
@@ -161,6 +163,33 @@ class Gemma3Adapter(Adapter):
             batch = self.image_processor(images=[image], return_tensors="pt")
             out.append(batch["pixel_values"])
         return out
+
+    def generate_inputs(self, prompt: PromptInputs, items: Sequence[torch.Tensor] = ()) -> dict:
+        """What Gemma3Processor gives for the prompt and its images: input_ids, attention_mask,
+        token_type_ids (1 at the soft tokens: transformers' bidirectional image mask) and
+        pixel_values [views, C, H, W] (every image's views in prompt order)."""
+        out = self._token_inputs(prompt)
+        types = torch.zeros_like(out["input_ids"])
+        for lo, hi in prompt.bidirectional:
+            types[0, lo:hi] = 1
+        out["token_type_ids"] = types
+        if items:
+            out["pixel_values"] = torch.cat([i if i.dim() == 4 else i.unsqueeze(0) for i in items])
+        return out
+
+    def prefill_masks(self, inputs_embeds: torch.Tensor, cache, position_ids: torch.Tensor, start: int,
+                      spans: Sequence[tuple[int, int]]) -> dict:
+        """transformers' own Gemma 3 masks for tokens [start, start+T) over `cache`: causal (and
+        the sliding window) OR the same image run, from the runs' token types since the sequence's
+        start (what `generate` passes a prefill). Runs past the new tokens are not seen yet."""
+        end = start + inputs_embeds.shape[1]
+        types = torch.zeros((1, end), dtype=torch.long, device=inputs_embeds.device)
+        for lo, hi in spans:
+            types[0, lo:min(hi, end)] = 1
+        masks = create_masks_for_vision_model(
+            config=self.text_config, inputs_embeds=inputs_embeds, attention_mask=None, cache=cache,
+            position_ids=position_ids, block_sequence_ids=get_block_sequence_ids_for_mask(types))
+        return {"attention_mask": masks}
 
     @torch.inference_mode()
     def encode_images(self, items) -> list[torch.Tensor]:

@@ -189,6 +189,16 @@ class Idefics3Adapter(Adapter):
             out.append(Idefics3Pixels(batch["pixel_values"][0], batch["pixel_attention_mask"][0], grid))
         return out
 
+    def generate_inputs(self, prompt: PromptInputs, items: Sequence[Idefics3Pixels] = ()) -> dict:
+        """What Idefics3Processor gives for the prompt and its images (one sample): input_ids,
+        attention_mask, pixel_values [1, views, C, S, S] and pixel_attention_mask [1, views, S, S]
+        (every image's views in prompt order, as `encode_images` takes them)."""
+        out = self._token_inputs(prompt)
+        if items:
+            out["pixel_values"] = torch.cat([it.views for it in items]).unsqueeze(0)
+            out["pixel_attention_mask"] = torch.cat([it.mask for it in items]).unsqueeze(0)
+        return out
+
     # -- model steps -------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -127,18 +127,6 @@ class LlavaAdapter(Adapter):
         return [f.contiguous() for f in out.pooler_output]
 
     @torch.inference_mode()
-    def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None = None, start: int = 0) -> StepOutput:
-        """Runs the text model over [1, T, H] embeddings after `start` cached positions."""
-        cache = cache if cache is not None else DynamicCache(config=self.text_config)
-        t = inputs_embeds.shape[1]
-        positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        out = self.model.model.language_model(
-            inputs_embeds=inputs_embeds, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-        logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
-        return StepOutput(logits.float(), out.past_key_values)
-
-    @torch.inference_mode()
     def decode(
         self,
         token_ids: Sequence[int],
@@ -148,7 +136,7 @@ class LlavaAdapter(Adapter):
     ) -> StepOutput:
         """One decode step for a batch: token_ids[b] at positions[b], over a contiguous cache. The
         runtime decodes through `forward_paged`; this is the model's own path, the reference the
-        paged one is tested against (and `prefill` serves the benchmark's baselines)."""
+        paged one is tested against (as is `Adapter.prefill`, which serves the benchmark's baselines too)."""
         ids = torch.tensor([[t] for t in token_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device)
         embeds = self.model.get_input_embeddings()(ids)

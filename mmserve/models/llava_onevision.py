@@ -136,6 +136,18 @@ class LlavaOnevisionAdapter(Adapter):
             out.append(OnevisionPixels(patches, size))
         return out
 
+    def generate_inputs(self, prompt: PromptInputs, items: Sequence[OnevisionPixels] = ()) -> dict:
+        """What LlavaOnevisionProcessor gives for the prompt and a flat list of its images (each
+        tiled): input_ids, attention_mask, pixel_values [images, most tiles, C, S, S] (each image's
+        base view and tiles, zero-padded to the most tiles) and image_sizes [images, 2]."""
+        out = self._token_inputs(prompt)
+        if items:
+            most = max(it.patches.shape[0] for it in items)
+            out["pixel_values"] = torch.stack([torch.cat([it.patches, it.patches.new_zeros(
+                (most - it.patches.shape[0], *it.patches.shape[1:]))]) for it in items])
+            out["image_sizes"] = torch.tensor([it.size for it in items], dtype=torch.long)
+        return out
+
     # -- model steps -------------------------------------------------------------------------
 
     @torch.inference_mode()
