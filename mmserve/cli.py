@@ -116,16 +116,16 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"mmserve bench: {problem}", file=sys.stderr)
         return 2
     from mmserve.bench import PARAMS, run_bench
-    from mmserve.models.demo import PRESETS, QWEN_PRESETS
+    from mmserve.bench.model import FAMILY_PRESETS, is_preset
 
     if args.quick and args.params not in (None, "quick"):
         print(f"mmserve bench: --quick and --params {args.params} disagree", file=sys.stderr)
         return 2
     params = PARAMS[args.params or ("quick" if args.quick else "full")]
     if args.preset:
-        if args.preset not in PRESETS and args.preset not in QWEN_PRESETS:
-            print(f"mmserve bench: unknown preset {args.preset!r}; LLaVA: {', '.join(PRESETS)}; "
-                  f"Qwen2-VL / Qwen2.5-VL / Qwen3-VL: {', '.join(QWEN_PRESETS)}", file=sys.stderr)
+        if not is_preset(args.preset):
+            known = "; ".join(f"{name}: {', '.join(presets)}" for name, presets in FAMILY_PRESETS.items())
+            print(f"mmserve bench: unknown preset {args.preset!r}; {known}", file=sys.stderr)
             return 2
         params = replace(params, preset=args.preset)
     if args.scenarios:
@@ -233,13 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_make_model)
 
     b = sub.add_parser("bench", help="benchmark mmserve side by side with raw transformers and with its caches off")
-    b.add_argument("--model-dir", help="a LLaVA, Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint, the family read from its "
-                   "config.json (default: build the random-weight --preset into <out>/<preset>-model, reused when "
-                   "present)")
+    b.add_argument("--model-dir", help="a LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, Idefics3/SmolVLM "
+                   "or Gemma 3 checkpoint, the family read from its config.json (default: build the random-weight "
+                   "--preset into <out>/<preset>-model, reused when present)")
     b.add_argument("--preset", help="the random-weight model to build without --model-dir: bench (LLaVA, the "
-                   "default) or bench-qwen (Qwen2-VL); tiny / tiny-qwen / tiny-qwen2.5-vl / tiny-qwen3-vl for tests; "
-                   "llava-7b / qwen2-vl-7b / qwen2.5-vl-7b / qwen3-vl-8b (the real 7-8B shapes, for a GPU: always "
-                   "built as random-weights directories)")
+                   "default) or bench-qwen (Qwen2-VL); tiny / tiny-qwen / tiny-qwen2.5-vl / tiny-qwen3-vl / "
+                   "tiny-llava-onevision / tiny-idefics3 / tiny-gemma3 for tests; llava-7b / qwen2-vl-7b / "
+                   "qwen2.5-vl-7b / qwen3-vl-8b / llava-onevision-7b / smolvlm-2b / gemma3-4b (the real 2-8B "
+                   "shapes, for a GPU: always built as random-weights directories)")
     b.add_argument("--random-weights", action="store_true", help="build the preset as a random-weights directory "
                    "(config and processor, no weights file; every side draws the same weights from its seed, "
                    "directly on the device) into <out>/<preset>-random-model")

@@ -5,6 +5,12 @@ Both exist for each family the benchmark runs. LLaVA loads with AutoProcessor. A
 checkpoint has no usable AutoProcessor here (Qwen2VLProcessor's video processor needs torchvision),
 so its inputs are built by hand from the tokenizer and `Qwen2VLImageProcessorPil`, as
 `mmserve.models.demo.qwen.build_inputs` does, and a batch is those rows left-padded by hand.
+LLaVA-OneVision has none either (LlavaOnevisionProcessor's video processor needs torchvision).
+Its inputs, and Idefics3's and Gemma 3's (whose AutoProcessor does load here, with the PIL image
+processors), are the adapter's own tokens and pixel items laid out as the family's processor lays
+them out (`Adapter.generate_inputs`; tests/test_bench_families.py checks them equal to the
+processor's tensors), left-padded the same way: one path for the three. The suffix prefill is
+`Adapter.prefill` for every family.
 
 Both load the model on the benchmark's device in its dtype, as mmserve does (a random-weights
 directory through the same loader, so all sides run the very same weights), and put their inputs
@@ -13,6 +19,7 @@ hands each token to the streamer as a host tensor, which already waits for it.""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from time import perf_counter
 
@@ -23,7 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from mmserve.actors.intake import decode_images, hf_messages
 from mmserve.bench.common import MODEL, Timing, median
-from mmserve.bench.model import family, is_qwen
+from mmserve.bench.model import ADAPTER_INPUT_FAMILIES, family, is_qwen
 from mmserve.config import LimitsConfig
 from mmserve.inputs.request import parse_chat_request
 from mmserve.models.adapter import StepOutput
@@ -73,10 +80,15 @@ def release_device_memory(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
-def hf_baseline(path, device: str = "cpu", dtype: str = "float32", model=None) -> "HFBaseline":
-    """The raw-transformers baseline of the checkpoint's family (on `model`, when given: the
-    benchmark shares one loaded model with `SuffixPrefill`, which a 7B model on a GPU needs)."""
-    cls = QwenHFBaseline if is_qwen(family(path)) else HFBaseline
+def hf_baseline(path, device: str = "cpu", dtype: str = "float32", model=None, adapter=None) -> "HFBaseline":
+    """The raw-transformers baseline of the checkpoint's family (on `adapter`'s model, or `model`,
+    when given: the benchmark shares one loaded model with `SuffixPrefill`, which a 7B model on a
+    GPU needs)."""
+    kind = family(path)
+    if kind in ADAPTER_INPUT_FAMILIES:
+        return AdapterHFBaseline(path, device, dtype, adapter=adapter)
+    model = adapter.model if adapter is not None and model is None else model
+    cls = QwenHFBaseline if is_qwen(kind) else HFBaseline
     return cls(path, device, dtype, model=model)
 
 
@@ -161,41 +173,72 @@ class QwenHFBaseline(HFBaseline):
         return left_pad([self._inputs(m) for m in requests], self.tokenizer.pad_token_id)
 
 
+class AdapterHFBaseline(HFBaseline):
+    """A LLaVA-OneVision, Idefics3 or Gemma 3 checkpoint: `generate` on the adapter's model, its
+    inputs from the adapter's own tokens and pixel items laid out as the family's processor gives
+    them (`Adapter.generate_inputs`), the images decoded and preprocessed inside the timing."""
+
+    def __init__(self, path, device: str = "cpu", dtype: str = "float32", adapter=None):
+        self.adapter = adapter if adapter is not None else load_adapter(MODEL, path, device=device, dtype=dtype)
+        super().__init__(path, device, dtype, model=self.adapter.model)
+
+    def _load_preprocessing(self, path) -> None:
+        pass  # the adapter's
+
+    def _inputs(self, messages: list[dict]) -> dict:
+        msgs, images = hf_prompt(messages)
+        a = self.adapter
+        return a.generate_inputs(a.tokenize(msgs, images), a.pixel_values(images) if images else [])
+
+    def _batch_inputs(self, requests: list[list[dict]]) -> dict:
+        return left_pad([self._inputs(m) for m in requests], self.adapter.tokenizer.pad_token_id)
+
+
+TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+"""The per-token tensors [1, T] of a model's inputs (left-padded in a batch)."""
+
+
 def left_pad(rows: list[dict], pad_id: int) -> dict:
-    """One batch of single-row Qwen2-VL inputs: input_ids / attention_mask / mm_token_type_ids
-    left-padded with pad_id / 0 / 0, pixel_values and image_grid_thw concatenated in row order
-    (the model takes each image's patches by its grid, in the order its placeholders appear)."""
+    """One batch of single-row inputs: the per-token tensors (TOKEN_KEYS) left-padded, input_ids
+    with pad_id and the others with 0; every other tensor (the images', per image or per row)
+    concatenated in row order, dimension 1 zero-padded to the widest first, as the processors
+    pad (LLaVA-OneVision's tiles per image, Idefics3's views per row: an all-zero view is padding
+    to the model). Qwen2-VL's pixel_values and image_grid_thw are concatenated as they are (the
+    model takes each image's patches by its grid, in the order its placeholders appear)."""
     width = max(r["input_ids"].shape[1] for r in rows)
-
-    def padded(key: str, value: int) -> torch.Tensor:
-        return torch.cat([torch.nn.functional.pad(r[key], (width - r[key].shape[1], 0), value=value) for r in rows])
-
-    out = {"input_ids": padded("input_ids", pad_id), "attention_mask": padded("attention_mask", 0),
-           "mm_token_type_ids": padded("mm_token_type_ids", 0)}
-    with_images = [r for r in rows if "pixel_values" in r]
-    if with_images:
-        out["pixel_values"] = torch.cat([r["pixel_values"] for r in with_images])
-        out["image_grid_thw"] = torch.cat([r["image_grid_thw"] for r in with_images])
+    out = {}
+    for key in (k for k in TOKEN_KEYS if k in rows[0]):
+        value = pad_id if key == "input_ids" else 0
+        out[key] = torch.cat([torch.nn.functional.pad(r[key], (width - r[key].shape[1], 0), value=value)
+                              for r in rows])
+    for key in dict.fromkeys(k for r in rows for k in r if k not in TOKEN_KEYS):
+        parts = [r[key] for r in rows if key in r]
+        wide = max(p.shape[1] for p in parts)
+        out[key] = torch.cat([p if p.shape[1] == wide else torch.cat([p, p.new_zeros(
+            (p.shape[0], wide - p.shape[1], *p.shape[2:]))], dim=1) for p in parts])
     return out
 
 
 class SuffixPrefill:
     """Times the prefill of a prompt's suffix on top of a precomputed KV cache of its first `hit`
-    tokens: the least work a prefix-cache hit can cost."""
+    tokens: the least work a prefix-cache hit can cost. Every family through `Adapter.prefill`
+    (the model's own language model over a contiguous cache), with the family's positions (M-RoPE),
+    language-model arguments (Qwen3-VL's DeepStack rows) and masks (Gemma 3's bidirectional image
+    runs)."""
 
     def __init__(self, path, device: str = "cpu", dtype: str = "float32", adapter=None):
         self.adapter = adapter if adapter is not None else load_adapter(MODEL, path, device=device, dtype=dtype)
 
     def _prompt(self, messages: list[dict]):
         """(embeddings [1, T, H], M-RoPE positions [3, T] or None, T) of the whole prompt."""
-        inputs, positions, n = self._steps(messages)
+        inputs, positions, n, _ = self._steps(messages)
         return inputs(0, n)[0], positions, n
 
     def _steps(self, messages: list[dict]):
-        """(inputs, M-RoPE positions [3, T] or None, T) of the whole prompt: `inputs(start, end)`
-        gives tokens [start, end)'s embeddings [1, end - start, H] and the family's language-model
-        arguments (Qwen3-VL's DeepStack rows), from the image rows over them, as the generator
-        cuts them (`Adapter.step_inputs`)."""
+        """(inputs, M-RoPE positions [3, T] or None, T, bidirectional spans) of the whole prompt:
+        `inputs(start, end)` gives tokens [start, end)'s embeddings [1, end - start, H] and the
+        family's language-model arguments (Qwen3-VL's DeepStack rows), from the image rows over
+        them, as the generator cuts them (`Adapter.step_inputs`)."""
         a = self.adapter
         msgs, images = hf_prompt(messages)
         prompt = a.tokenize(msgs, images)
@@ -210,57 +253,50 @@ class SuffixPrefill:
                     pieces.append((lo - start, emb[lo - span.start:hi - span.start]))
             return a.step_inputs(prompt.input_ids[start:end], pieces)
 
-        return inputs, a.rope_positions(prompt, n, 0, n), n
+        return inputs, a.rope_positions(prompt, n, 0, n), n, prompt.bidirectional
 
     @torch.inference_mode()
     def time(self, messages: list[dict], hit: int, repeats: int = 3) -> tuple[float, int]:
         """(median seconds, suffix tokens) of prefilling the tokens after `hit`."""
-        inputs, positions, n = self._steps(messages)
-        prefix = self._prefill(inputs(0, hit), None, 0, _cols(positions, 0, hit)).cache if hit else None
+        inputs, positions, n, spans = self._steps(messages)
+        prefix = self._prefill(inputs(0, hit), None, 0, _cols(positions, 0, hit), spans).cache if hit else None
         suffix = inputs(hit, n)
         times = []
         for _ in range(repeats):
             cache = self._copy(prefix)
             sync(self.adapter.device)  # the copy (and anything before it) is not part of the time
             t0 = perf_counter()
-            self._prefill(suffix, cache, hit, _cols(positions, hit, n))
+            self._prefill(suffix, cache, hit, _cols(positions, hit, n), spans)
             sync(self.adapter.device)
             times.append(perf_counter() - t0)
         return median(times), n - hit
 
     @torch.inference_mode()
     def suffix_logits(self, messages: list[dict], hit: int) -> torch.Tensor:
-        """The last position's logits after the suffix prefill (what `time` times), for tests."""
-        inputs, positions, n = self._steps(messages)
-        prefix = self._prefill(inputs(0, hit), None, 0, _cols(positions, 0, hit)).cache if hit else None
-        return self._prefill(inputs(hit, n), prefix, hit, _cols(positions, hit, n)).logits
+        """The last position's logits after the suffix prefill (what `time` times, on a copy of the
+        prefix cache as it is), for tests. A hit inside a bidirectional run (Gemma 3's image) is
+        timed the same, but its prefix did not see the run's rest (the runtime's did): its logits
+        are not the model's own."""
+        inputs, positions, n, spans = self._steps(messages)
+        prefix = self._prefill(inputs(0, hit), None, 0, _cols(positions, 0, hit), spans).cache if hit else None
+        return self._prefill(inputs(hit, n), self._copy(prefix), hit, _cols(positions, hit, n), spans).logits
 
-    def _prefill(self, step: tuple[torch.Tensor, dict], cache, start: int, positions) -> StepOutput:
+    def _prefill(self, step: tuple[torch.Tensor, dict], cache, start: int, positions, spans=()) -> StepOutput:
         embeds, lm_kwargs = step
-        return self.prefill(embeds, cache, start, positions, lm_kwargs=lm_kwargs)
+        return self.prefill(embeds, cache, start, positions, lm_kwargs=lm_kwargs, spans=spans)
 
     @torch.inference_mode()
     def prefill(self, inputs_embeds: torch.Tensor, cache: DynamicCache | None, start: int,
-                positions: torch.Tensor | None, lm_kwargs: dict | None = None) -> StepOutput:
-        """The text model over [1, T, H] embeddings after `start` cached positions. 1-D positions:
-        the adapter's own prefill (LLaVA). M-RoPE: `positions` [3, T] are passed as position_ids
-        [3, 1, T], since the language model's default (index, equal in all three) is wrong for every
-        token at or after an image; `lm_kwargs` (the family's, from `step_inputs`) with them."""
-        a = self.adapter
-        if positions is None:
-            return a.prefill(inputs_embeds, cache, start=start)
-        cache = cache if cache is not None else DynamicCache(config=a.text_config)
-        out = a.model.model.language_model(inputs_embeds=inputs_embeds, position_ids=positions.to(a.device).unsqueeze(1),
-                                           past_key_values=cache, use_cache=True, **(lm_kwargs or {}))
-        logits = a.model.lm_head(out.last_hidden_state[:, -1, :])
-        return StepOutput(logits.float(), out.past_key_values)
+                positions: torch.Tensor | None, lm_kwargs: dict | None = None, spans=()) -> StepOutput:
+        """The text model over [1, T, H] embeddings after `start` cached positions: `Adapter.prefill`.
+        M-RoPE `positions` [3, T] are passed as position_ids [3, 1, T], since the language model's
+        default (index, equal in all three) is wrong for every token at or after an image."""
+        return self.adapter.prefill(inputs_embeds, cache, start, positions, lm_kwargs, spans)
 
     def _copy(self, cache: DynamicCache | None) -> DynamicCache | None:
-        """A fresh copy (DynamicCache grows in place)."""
-        if cache is None:
-            return None
-        layers = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        return DynamicCache(ddp_cache_data=layers, config=self.adapter.text_config)
+        """A fresh copy (a cache grows in place); a deep copy keeps a sliding-window layer's count
+        of the tokens it has seen (Gemma 3), which rebuilding from its tensors would lose."""
+        return None if cache is None else copy.deepcopy(cache)
 
 
 def _cols(positions: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:

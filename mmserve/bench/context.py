@@ -13,7 +13,7 @@ import httpx
 
 from mmserve.bench.baselines import HFBaseline, SuffixPrefill, hf_baseline, release_device_memory
 from mmserve.bench.common import MODEL, QUESTIONS, QWEN_IMAGE_SIZES, Images, Timing, timed_chat, timed_http
-from mmserve.bench.model import family, is_qwen
+from mmserve.bench.model import family, sizes_vary
 from mmserve.bench.params import BenchParams
 from mmserve.bench.servers import bench_config, http_server, open_runtime
 from mmserve.actors import compute
@@ -28,9 +28,10 @@ class Bench:
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
         self.note = note
-        self.family = family(self.model_dir)  # "llava", "qwen2_vl" or "qwen2_5_vl", from config.json
-        # a Qwen's token count follows an image's size: vary it; LLaVA keeps its 64x64 images
-        self.images = Images(QWEN_IMAGE_SIZES if is_qwen(self.family) else ())
+        self.family = family(self.model_dir)  # "llava", "qwen2_vl", "gemma3", ... from config.json
+        # where the token count follows an image's size (the Qwens, LLaVA-OneVision's tiles,
+        # Idefics3's): vary it; LLaVA and Gemma 3 (one fixed-size view) keep their 64x64 images
+        self.images = Images(QWEN_IMAGE_SIZES if sizes_vary(self.family) else ())
         self._images = itertools.count()
         self._warmups = itertools.count(WARMUP_IMAGE)
         self._hf: HFBaseline | None = None
@@ -65,9 +66,9 @@ class Bench:
     async def _hf_baseline(self) -> HFBaseline:
         if self._hf is None:
             self.note("loading HF baseline")
-            model = (await self._baseline_adapter()).model
+            adapter = await self._baseline_adapter()
             self._hf = await compute.run(partial(hf_baseline, self.model_dir, self.params.device, self.params.dtype,
-                                                 model=model))
+                                                 adapter=adapter))
             await compute.run(self._hf.generate, self.ask(next(self._warmups)), 2)
         return self._hf
 

@@ -62,8 +62,9 @@ def unavailable() -> str | None:
 
 def unsupported(family: str) -> str | None:
     """Why `transformers serve` cannot serve a checkpoint of this family here, or None."""
-    # bench.model.QWEN_FAMILIES (no builders here)
-    names = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
+    # bench.model.QWEN_FAMILIES and LLaVA-OneVision (no builders here)
+    names = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
+             "llava_onevision": "LLaVA-OneVision"}
     if family in names:
         return (f"`transformers serve` loads a {names[family]} checkpoint with AutoProcessor, whose video "
                 "processor needs torchvision (no build of it fits this torch)")

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from mmserve.bench.baselines import release_device_memory
 from mmserve.bench.context import Bench
-from mmserve.bench.model import (built_preset, default_model_dir, ensure_model, family_name, is_qwen,
+from mmserve.bench.model import (built_preset, default_model_dir, ensure_model, family_name, sizes_vary,
                                  tokens_per_image)
 from mmserve.bench.params import BenchParams
 from mmserve.bench.report import write_reports
@@ -168,10 +168,11 @@ def thread_probe(threads: int, repeats: int = 20) -> dict:
 
 def _family_meta(bench: Bench) -> dict:
     """Which family and preset ran (the preset: None for a checkpoint the benchmark did not build)
-    and, where the images vary in size (Qwen2-VL, Qwen2.5-VL), the sizes used and each one's image tokens."""
+    and, where the images vary in size (the Qwens, LLaVA-OneVision, Idefics3), the sizes used and each
+    one's image tokens."""
     out = {"family": family_name(bench.family), "model_type": bench.family, "preset": built_preset(bench.model_dir)}
     sizes = bench.images.sizes
-    if is_qwen(bench.family) and sizes:
+    if sizes_vary(bench.family) and sizes:
         out["image_sizes"] = [list(s) for s in sizes]
         out["tokens_per_image"] = tokens_per_image(bench.model_dir, bench.images, len(sizes))
     return out
