@@ -295,14 +295,16 @@ class Adapter(ABC):
         paged step is tested against and the benchmark's bare suffix prefill. `positions`: M-RoPE
         positions [3, T] (None: start .. start+T-1); `lm_kwargs`: the family's, from `step_inputs`;
         `spans`: the sequence's bidirectional runs [lo, hi) (`PromptInputs.bidirectional`), which
-        `prefill_masks` turns into the family's attention masks."""
+        `prefill_masks` turns into the family's attention masks when a new token is in one."""
         cache = cache if cache is not None else DynamicCache(config=self.text_config)
         t = inputs_embeds.shape[1]
         if positions is None:
             position_ids = torch.arange(start, start + t, device=self.device).unsqueeze(0)
         else:
             position_ids = positions.to(self.device).unsqueeze(1)
-        masks = self.prefill_masks(inputs_embeds, cache, position_ids, start, spans) if spans else {}
+        # a run that none of the new tokens is in adds nothing to their causal mask
+        inside = any(lo < start + t and hi > start for lo, hi in spans)
+        masks = self.prefill_masks(inputs_embeds, cache, position_ids, start, spans) if inside else {}
         out = self.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache, use_cache=True,
                                   **(lm_kwargs or {}), **masks)
         logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
