@@ -140,12 +140,7 @@ class LlavaAdapter(Adapter):
         ids = torch.tensor([[t] for t in token_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device)
         embeds = self.model.get_input_embeddings()(ids)
-        out = self.model.model.language_model(
-            inputs_embeds=embeds,
-            position_ids=pos,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        out = self.language_model(inputs_embeds=embeds, position_ids=pos, attention_mask=attention_mask, cache=cache,
+                                  use_cache=True)
         logits = self.model.lm_head(out.last_hidden_state[:, -1, :])
-        return StepOutput(logits.float(), out.past_key_values)
+        return StepOutput(logits.float(), out.cache)
