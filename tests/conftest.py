@@ -82,3 +82,17 @@ def demo_server(demo_config):
 
     with ServerThread(demo_config) as server:
         yield server
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _gc_freeze_only_where_asked():
+    """A model load with `[runtime] gc_freeze` (the default) walks the whole heap once before
+    freezing it: ~0.3 s in this process, and the suite opens hundreds of runtimes (the suite took
+    563 s with it, against ~350 s). So loads here skip that step; tests/test_gc_heap.py asks for the
+    real one (its `gc_freeze` fixture) and checks what it does."""
+    from mmserve.runtime import gc_heap
+
+    real = gc_heap.settle
+    gc_heap.settle = lambda: {}
+    yield real
+    gc_heap.settle = real

@@ -71,11 +71,13 @@ class RuntimeConfig:
     load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
     attention_backend: str = "auto"  # auto | sdpa | triton (auto: triton on CUDA, sdpa on the CPU)
     cuda_graphs: bool = True  # on CUDA with a capturable backend, decode steps replay captured graphs
+    gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
 
     def __post_init__(self) -> None:
         w = "[runtime]"
         check_choice(w, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_bool(w, "cuda_graphs", self.cuda_graphs)
+        check_bool(w, "gc_freeze", self.gc_freeze)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
         check_choice(w, "dtype", self.dtype, DTYPES)

@@ -23,6 +23,7 @@ from mmserve.models.adapter import Adapter
 from mmserve.models.loading import load_adapter
 from mmserve.config import Config, ModelConfig
 from mmserve.inputs.image_budget import UnknownLayout, processing_pixels
+from mmserve.runtime import gc_heap
 from mmserve.runtime.supervisor import Supervisor
 
 
@@ -145,8 +146,10 @@ class ModelRegistry:
             self.loaded[mc.name] = model
             self._failed.discard(mc.name)
             self._warn_if_unbounded(adapter)
+            # a full collection over the model's objects would stall the event loop ~200 ms at a time
+            heap = gc_heap.settle() if rc.gc_freeze else {}
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
-                          load_s=round(time.monotonic() - t0, 3), decode_graphs=captured)
+                          load_s=round(time.monotonic() - t0, 3), decode_graphs=captured, **heap)
         except CheckpointError as e:  # its message says it all: no traceback to log
             self._failed.add(mc.name)
             self.log.error("registry.load_failed", model=mc.name, path=str(mc.resolved_path()), error=e.message)
@@ -205,4 +208,6 @@ class ModelRegistry:
                 if getattr(msg, "handle", None) is not None:
                     msg.handle.fail(gone)
                     stranded += 1
+        if self.config.runtime.gc_freeze:
+            gc_heap.release()  # the model's cycles are collectable again; the next load freezes anew
         self.log.info("registry.model_unloaded", model=name, stranded=stranded)

@@ -32,6 +32,7 @@ from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
 from mmserve.generation.runner import ModelRunner
+from mmserve.runtime import gc_heap
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
@@ -102,6 +103,8 @@ class Runtime:
                 body_error = e
             finally:
                 nursery.cancel_scope.cancel()
+                if config.runtime.gc_freeze:
+                    gc_heap.release()
                 rt.log.info("runtime.stopped", **rt.drained)
         if body_error is not None:
             raise body_error
