@@ -130,7 +130,7 @@ def _family_parts(preset: str) -> tuple:
     `Idefics3Processor` adds its own (the tile markers included), as its random-weights directory's."""
     if preset in onevision.ONEVISION_PRESETS:
         tok = build_tokenizer()
-        return tok, onevision.build_onevision_model(preset, tok, seed=0), onevision._parts(
+        return tok, onevision.build_onevision_model(preset, tok, seed=0), onevision.checkpoint_parts(
             onevision.get_onevision_preset(preset), tok)
     if preset in idefics3.IDEFICS3_PRESETS:
         processor = idefics3.build_idefics3_processor(preset)
@@ -138,7 +138,7 @@ def _family_parts(preset: str) -> tuple:
                 [processor])
     if preset in gemma3.GEMMA3_PRESETS:
         tok = gemma3.build_gemma3_tokenizer()
-        return tok, gemma3.build_gemma3_model(preset, tok, seed=0), gemma3._parts(gemma3.get_gemma3_preset(preset), tok)
+        return tok, gemma3.build_gemma3_model(preset, tok, seed=0), gemma3.checkpoint_parts(gemma3.get_gemma3_preset(preset), tok)
     raise ValueError(f"unknown preset {preset!r}")
 
 

@@ -133,7 +133,9 @@ def build_gemma3_model(preset: str | Gemma3Preset, tokenizer, seed: int = 0):
     return model.eval()
 
 
-def _parts(p: Gemma3Preset, tokenizer) -> list:
+def checkpoint_parts(p: Gemma3Preset, tokenizer) -> list:
+    """What a Gemma 3 checkpoint saves besides the model: tokenizer, image processor and
+    processor settings (the builders here and the benchmark's save them alike)."""
     settings = {"processor_class": "Gemma3Processor", "image_seq_length": p.mm_tokens_per_image}
     return [tokenizer, build_gemma3_image_processor(p), ProcessorSettings(settings)]
 
@@ -144,12 +146,12 @@ def build_untrained_gemma3(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
     tokenizer = build_gemma3_tokenizer()
     model = build_gemma3_model(p, tokenizer, seed=seed)
     remove_marker(out_dir)
-    return save_checkpoint(model, _parts(p, tokenizer), out_dir)
+    return save_checkpoint(model, checkpoint_parts(p, tokenizer), out_dir)
 
 
 def write_random_gemma3(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
     """A random-weights directory of a Gemma 3 preset (no weight file)."""
     p = get_gemma3_preset(preset)
     tok = build_gemma3_tokenizer()
-    return write_random_weights(out_dir, build_gemma3_config(p, tok), generation_config(tok), _parts(p, tok),
+    return write_random_weights(out_dir, build_gemma3_config(p, tok), generation_config(tok), checkpoint_parts(p, tok),
                                 tok, seed=seed, dtype=p.dtype, preset=p.name)

@@ -134,7 +134,9 @@ def build_onevision_model(preset: str | OnevisionPreset, tokenizer, seed: int = 
     return model.eval()
 
 
-def _parts(p: OnevisionPreset, tokenizer) -> list:
+def checkpoint_parts(p: OnevisionPreset, tokenizer) -> list:
+    """What a LLaVA-OneVision checkpoint saves besides the model: tokenizer, image processor and
+    processor settings (the builders here and the benchmark's save them alike)."""
     return [tokenizer, build_onevision_image_processor(p), ProcessorSettings(processor_settings(p))]
 
 
@@ -144,12 +146,12 @@ def build_untrained_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Pa
     tokenizer = build_tokenizer()
     model = build_onevision_model(p, tokenizer, seed=seed)
     remove_marker(out_dir)
-    return save_checkpoint(model, _parts(p, tokenizer), out_dir)
+    return save_checkpoint(model, checkpoint_parts(p, tokenizer), out_dir)
 
 
 def write_random_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
     """A random-weights directory of a LLaVA-OneVision preset (no weight file)."""
     p = get_onevision_preset(preset)
     tok = build_tokenizer()
-    return write_random_weights(out_dir, build_onevision_config(p, tok), generation_config(tok), _parts(p, tok),
+    return write_random_weights(out_dir, build_onevision_config(p, tok), generation_config(tok), checkpoint_parts(p, tok),
                                 tok, seed=seed, dtype=p.dtype, preset=p.name)
