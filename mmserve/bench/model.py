@@ -138,7 +138,8 @@ def _family_parts(preset: str) -> tuple:
                 [processor])
     if preset in gemma3.GEMMA3_PRESETS:
         tok = gemma3.build_gemma3_tokenizer()
-        return tok, gemma3.build_gemma3_model(preset, tok, seed=0), gemma3.checkpoint_parts(gemma3.get_gemma3_preset(preset), tok)
+        parts = gemma3.checkpoint_parts(gemma3.get_gemma3_preset(preset), tok)
+        return tok, gemma3.build_gemma3_model(preset, tok, seed=0), parts
     raise ValueError(f"unknown preset {preset!r}")
 
 
