@@ -69,6 +69,10 @@ def test_metrics_move_by_exact_amounts(tiny_config):
     assert delta("mmserve:inter_token_latency_seconds_count", **m) == (5 - 1) + (3 - 1)
     assert delta("mmserve:mm_cache_queries_total", **m) == 2 and delta("mmserve:mm_cache_hits_total", **m) == 1
     assert delta("mmserve:prefix_cache_hits_total", **m) == r2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # one step per token (each prompt prefills in one step); 'host' times the gaps between
+    # back-to-back steps: none before a request's first step (the generator was idle)
+    assert delta("mmserve:step_seconds_count", part="forward", **m) == 8
+    assert delta("mmserve:step_seconds_count", part="host", **m) == (5 - 1) + (3 - 1)
     assert value(after, "mmserve:healthy") == 1.0
     assert value(after, "mmserve:num_requests_running", **m) == 0
     # idle: nothing is held by a running request; the cached prefixes are evictable, and count as free

@@ -66,6 +66,11 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         self._eos = torch.tensor(sorted(adapter.eos_token_ids), dtype=torch.long)
         self._orders = itertools.count()
         self.steps = 0
+        # where a busy generator's time goes: awaiting the compute thread's steps, and its own work
+        # between two back-to-back steps (results out, messages in, the next plan) on the event loop
+        self.forward_s = 0.0
+        self.host_s = 0.0
+        self._step_end: float | None = None  # None: the last round did not lead straight to this one
         self.preemptions = 0
         self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
         self.reencoded_images = 0  # images preempted sequences encoded again (their cached KV was gone)
@@ -95,10 +100,12 @@ class Generator(BlockGrants, Answers, Forking, Actor):
             await self._take_messages()
             self._drop_aborted()
             if self.seqs and not await self._step_round():
+                self._step_end = None
                 self._report()  # what changed, and the blocks it waits for
                 with trio.move_on_after(0.01):  # blocks are held elsewhere for now: wait a little
                     self._on_message(await self.inbox.receive())
             if not self.seqs:
+                self._step_end = None
                 self._report()  # idle: the last step's releases, and the reservation goes back
             self.progressed()
 
@@ -227,13 +234,17 @@ class Generator(BlockGrants, Answers, Forking, Actor):
             return False
         self._report(plan)  # one message per step, never awaited; the refill comes while it runs
         t0 = time.monotonic()
+        host = None if self._step_end is None else t0 - self._step_end
+        self._step_end = None
         try:
             results = await compute.run(self._step, plan, self._copies, self._incarnation, abandon_on_cancel=True,
                                         owner=self.key)
         finally:
             self._release_copies()
+        self._step_end = time.monotonic()
         self.steps += 1
-        duration = round(time.monotonic() - t0, 6)
+        self._time_step(self._step_end - t0, host)
+        duration = round(self._step_end - t0, 6)
         for p, result in zip(plan, results):
             if p.seq.job.handle.request.prompt is not None and not isinstance(result, (int, Exception)):
                 self._echo(p.seq)  # a completions prompt's prefill ended: its echo before any token
@@ -244,6 +255,13 @@ class Generator(BlockGrants, Answers, Forking, Actor):
                        request_ids=[p.seq.request_id for p in plan], duration_s=duration)
         self._prune()
         return True
+
+    def _time_step(self, forward_s: float, host_s: float | None) -> None:
+        self.forward_s += forward_s
+        if host_s is not None:
+            self.host_s += host_s
+        if self.metrics is not None:
+            self.metrics.step_timed(self.adapter.name, forward_s, host_s)
 
     def _plan(self) -> list[Planned]:
         """The next step's plan (`plan_step`); every sequence in it is admitted (running) from now

@@ -4,7 +4,8 @@ Busy: the fraction of a window's wall time in which at least one CUDA kernel ran
 the kernel intervals that torch.profiler records (CUPTI, every thread of the process), over the
 span from the window's first kernel to its last. The window opens once every request of the level
 has its first token (all of them decoding) and closes after `steps` generator steps, so prefill
-and ramp-down are not in it. Also reported: kernels per step, the host's share of a step.
+and ramp-down are not in it. Also reported: kernels per step, and (on any device, in the window of
+steps before) the host's share of a step: the generator's time on the event loop between steps.
 
 Memory: the peak of `torch.cuda.max_memory_allocated` during the run, less what the process held
 before it (the HF baseline's weights), against mmserve's weights plus its KV arena.
@@ -43,6 +44,24 @@ def _kernel_intervals(prof) -> list[tuple[float, float]]:
     from torch.autograd import DeviceType
 
     return [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+async def measure_host_share(generator, all_decoding: trio.Event, steps: int = 32, timeout_s: float = 60.0) -> dict:
+    """Over `steps` generator steps from when `all_decoding` is set: the share of the generator's busy
+    time spent on the event loop between back-to-back steps (`Generator.host_s`) rather than awaiting
+    the compute thread's step (`forward_s`), on any device: the part of a step no GPU can speed up."""
+    with trio.move_on_after(timeout_s):
+        await all_decoding.wait()
+    first, host, forward = generator.steps, generator.host_s, generator.forward_s
+    with trio.move_on_after(timeout_s):
+        while generator.steps < first + steps:
+            await trio.sleep(0.001)
+    done = generator.steps - first
+    host, forward = generator.host_s - host, generator.forward_s - forward
+    if not done or host + forward <= 0:
+        return {"status": "no steps"}
+    return {"status": "ok", "steps": done, "host_share": host / (host + forward),
+            "host_ms_per_step": 1000 * host / done, "forward_ms_per_step": 1000 * forward / done}
 
 
 async def measure_busy(generator, all_decoding: trio.Event, steps: int = 32, timeout_s: float = 60.0) -> dict:

@@ -28,6 +28,7 @@ class BenchParams:
     batched_levels: tuple[int, ...] = ()  # levels whose requests HF also runs as one batched call (the top one always)
     sweep_tokens: int = 128  # a typical chat answer; with short answers the prompt prefill dominates
     health_interval_s: float = 0.02
+    host_share_steps: int = 32  # the window (steps, all requests decoding) of the top level's host share
     kv_sample_interval_s: float = 0.005  # KV arena usage of the embedded run at the top level (also sampled per delta)
     # 3. multi-turn image chat
     turns: int = 6
@@ -57,7 +58,7 @@ bfloat16 (0.5 MiB a token), less than one request with an image; 8 GiB holds 16 
 FULL = BenchParams("full")
 QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=3, levels=(1, 4, 8, 16), sweep_tokens=64,
                 turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2,
-                peer_levels=(1, 8))
+                peer_levels=(1, 8), host_share_steps=16)
 GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat16", torch_threads=4,
               scenarios=("decode", "concurrency", "multiturn", "same_image", "three_images"),
               decode_tokens=128, levels=(1, 8, 32), batched_levels=(8, 32), sweep_tokens=128,
@@ -66,6 +67,7 @@ GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat1
 `generate` of the same requests, TTFT at 32, prefix hits; a 16 GiB KV arena holds 32 requests of
 one image (~600 tokens, 0.5 MiB a token in bfloat16)."""
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
-               levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4)
+               levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4,
+               host_share_steps=2)
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}

@@ -44,6 +44,10 @@ class Metrics:
         self.reencoded = Counter("mmserve:reencoded_images", "Images encoded again by preempted sequences "
                                  "whose cached KV of them was evicted before they resumed.", label,
                                  registry=self.registry)
+        self.step_time = Histogram("mmserve:step_seconds", "A model step's time by part: 'forward' awaits the "
+                                   "compute thread (the forward and the sampling), 'host' is the generator's own "
+                                   "work on the event loop between two back-to-back steps.", ["model_name", "part"],
+                                   buckets=_ITL_BUCKETS, registry=self.registry)
         self.rejections = Counter("mmserve:request_rejected", "Requests refused before any model work (4xx, "
                                   "503), by reason: the error's code, or its type.", ["reason"],
                                   registry=self.registry)
@@ -64,6 +68,11 @@ class Metrics:
 
     def preempted(self, model: str) -> None:
         self.preemptions.labels(model).inc()
+
+    def step_timed(self, model: str, forward_s: float, host_s: float | None) -> None:
+        self.step_time.labels(model, "forward").observe(forward_s)
+        if host_s is not None:
+            self.step_time.labels(model, "host").observe(host_s)
 
     def reencoded_images(self, model: str, images: int) -> None:
         self.reencoded.labels(model).inc(images)

@@ -10,7 +10,7 @@ from time import perf_counter
 import trio
 
 from mmserve.bench.arena_usage import ArenaUsage
-from mmserve.bench.gpu_busy import PeakMemory, measure_busy
+from mmserve.bench.gpu_busy import PeakMemory, measure_busy, measure_host_share
 from mmserve.bench.common import MODEL, Timing, median, percentile, ratio, row, timed_chat, timed_http
 from mmserve.bench.context import Bench
 from mmserve.bench.scenarios.shared import at_least, at_most, brief
@@ -121,6 +121,7 @@ async def _embedded_level(b: Bench, requests: list, tokens: int) -> dict:
             usage = ArenaUsage(rt, MODEL)
             loaded = rt.registry.require(MODEL)
             busy: dict = {}
+            host: dict = {}
 
             async def send(rt_, _url, messages: list[dict], n: int) -> Timing:
                 key = id(messages)
@@ -133,7 +134,8 @@ async def _embedded_level(b: Bench, requests: list, tokens: int) -> dict:
 
                 return await timed_chat(rt_, messages, n, on_delta=on_delta)
 
-            async def gpu_busy() -> None:
+            async def gpu_busy() -> None:  # the host's share first: the profiler's own overhead is not in it
+                host.update(await measure_host_share(loaded.generator, decoding, steps=b.params.host_share_steps))
                 busy.update(await measure_busy(loaded.generator, decoding))
 
             async with trio.open_nursery() as nursery:
@@ -145,6 +147,7 @@ async def _embedded_level(b: Bench, requests: list, tokens: int) -> dict:
             kv_bytes = loaded.generator.kv.nbytes
     out["kv"] = usage.summary(len(requests))
     out["gpu_busy"] = busy
+    out["host_share"] = host
     out["gpu_memory"] = {"peak_bytes": memory.peak, "weights_bytes": weights, "kv_bytes": kv_bytes}
     return out
 
@@ -234,8 +237,14 @@ def _embedded_rows(e: dict, top: int) -> list[dict]:
 
 
 def _gpu_rows(e: dict, n: int) -> list[dict]:
-    """GPU busy while all `n` decode, and peak GPU memory vs weights + KV arena (CUDA runs only)."""
+    """The host's share of a step while all `n` decode (any device); GPU busy meanwhile and peak GPU
+    memory vs weights + KV arena (CUDA runs only)."""
     rows = []
+    host = e.get("host_share") or {}
+    if host.get("status") == "ok":
+        rows.append(row("2 concurrency", f"host share of a step while {n} decode ({host['steps']} steps: "
+                        f"{host['host_ms_per_step']:.2f} ms on the event loop, {host['forward_ms_per_step']:.2f} ms "
+                        "awaiting the forward)", host["host_share"], "", None, host["host_share"]))
     busy = e.get("gpu_busy") or {}
     if busy.get("status") == "ok" and busy.get("busy") is not None:
         rows.append(row("2 concurrency", f"GPU busy while {n} decode ({busy['steps']} steps, "
