@@ -73,10 +73,11 @@ async def _exit_deadline(seconds: float) -> None:
 
 
 def _exit_now_if_a_step_is_stuck(code: int) -> None:
-    """Python joins the compute thread at exit; a step hung in it would hold the process."""
+    """Python joins the compute thread at exit, after the steps queued for it: a step hung in it,
+    or one an abandoned caller left queued (which would start, then hang), would hold the process."""
     from mmserve.actors import compute
 
-    if compute.busy_for() > 0:
+    if not compute.stop():
         _flush_and_exit(code)
 
 

@@ -37,6 +37,7 @@ _executor: ThreadPoolExecutor | None = None
 _threads = 0  # torch intra-op threads for the compute thread; 0 = torch's default
 _busy_since: float | None = None  # when the step now running started (None: idle)
 _busy_owner: str | None = None  # who submitted it (an actor's supervisor key)
+_unfinished: set[Future] = set()  # submitted steps not done yet: queued, taken by the thread, or running
 
 
 @contextlib.contextmanager
@@ -94,6 +95,19 @@ def busy_owner() -> str | None:
     return _busy_owner
 
 
+def stop() -> bool:
+    """Stops the compute thread taking work: steps still queued are dropped. True when no step is
+    running or about to run. Python joins the thread when the interpreter exits, and would wait for
+    such a step — a hung one for as long as it hangs — so a False means: leave with `os._exit`.
+    (A step the thread has taken from its queue but not started yet counts: it would run.)"""
+    global _executor
+    with _lock:
+        executor, _executor = _executor, None  # a later step (an embedding program's) gets a fresh thread
+    if executor is not None:
+        executor.shutdown(wait=False, cancel_futures=True)
+    return not any(not f.done() for f in list(_unfinished))
+
+
 def replace(reason: str) -> None:
     """Abandons the compute thread (a step in it hung) and starts a fresh one for later work."""
     global _executor
@@ -124,8 +138,10 @@ async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None):
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
     future: Future = _pool().submit(contextvars.copy_context().run, _timed, owner, fn, *args)
+    _unfinished.add(future)
 
     def wake(_: Future) -> None:
+        _unfinished.discard(future)
         try:
             token.run_sync_soon(done.set)
         except trio.RunFinishedError:
