@@ -20,12 +20,14 @@ async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_
     async with Runtime.open(demo_config) as rt:
         generator = rt.registry.require("demo").generator
         sent, received = [], []  # (step, in a step round, message) / (step, message)
+        reserve_at = {}  # report number -> the generator's reserve when it was sent
         manager, on_message, step_round = generator.cache_manager, generator._on_message, generator._step_round
         rounds = {"in": False}
 
         class Counting:
             def send_nowait(self, msg):
                 sent.append((generator.steps, rounds["in"], msg))
+                reserve_at[msg.number] = len(generator.grants.reserve)
                 manager.send_nowait(msg)
 
         def counting_on_message(msg):
@@ -62,8 +64,10 @@ async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_
     assert len(answered) == len(set(answered)), answered
     assert set(answered) <= {m.number for _, _, m in sent}
     assert len(received) <= len(sent)
-    # a step's report says something: draws, commits or releases (nothing asked for in vain)
-    assert all(m.entries for _, m in in_steps)
+    # a step's report says something: draws, commits or releases, or (the reserve short of the next
+    # step's draws, which a late refill under load can leave it) an ask for blocks — never nothing
+    empty = [m for _, m in in_steps if not m.entries and not m.hints]
+    assert all(m.want > reserve_at[m.number] for m in empty), [(m, reserve_at[m.number]) for m in empty]
     # most steps change nothing (a decode token inside a block it holds): they send nothing
     assert steps >= 40 and len(in_steps) <= steps // 3, (steps, len(in_steps))
     # outside steps: asking for the first blocks (the reserve is empty when idle), giving them back at the end
