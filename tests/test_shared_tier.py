@@ -16,6 +16,8 @@ from mmserve.models.demo import Q_BACKGROUND, Q_SHAPE, render_image
 from tests.helpers import ask
 from tests.redis_server import RedisServer
 
+SECRET = "shared-tier-test-secret"  # the replicas' shared secret (values in Redis are tagged with it)
+
 RED = render_image("red", "circle", background="white", seed=3)
 BLUE = render_image("blue", "square", background="black", seed=4)
 
@@ -36,8 +38,8 @@ def redis_url(redis_server):
 
 def tier_config(demo_config, url: str, **shared):
     base = demo_config.replace(models=demo_config.models[:1])
-    return base.replace(shared_cache=dict({"url": url, "lookup_deadline_ms": 3000.0, "backoff_s": 0.05,
-                                           "max_backoff_s": 0.2}, **shared))
+    return base.replace(shared_cache=dict({"url": url, "secret": SECRET, "lookup_deadline_ms": 3000.0,
+                                           "backoff_s": 0.05, "max_backoff_s": 0.2}, **shared))
 
 
 def off_config(demo_config):
