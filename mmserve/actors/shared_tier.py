@@ -138,7 +138,6 @@ class SharedTier(Actor):
         self._nursery: trio.Nursery | None = None
         self._probing = False
         self._late_streak = 0
-        self._writing = 0  # values of the batch being written now
         self._queued = 0  # values ever queued; the n-th one queued is settled once _settled >= n
         self._settled = 0  # values written, failed or dropped, in queue order
         self._settle_waits: list[tuple[int, trio.Event]] = []
@@ -458,15 +457,12 @@ class SharedTier(Actor):
         if not self.active():
             self.counts["dropped_off"] += len(batch)
             return
-        self._writing = len(batch)
         try:
             written, nbytes = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
         except Exception as e:
             self.counts["write_errors"] += len(batch)
             self._failed(e, "write")
             return
-        finally:
-            self._writing = 0
         self.counts["writes"] += written
         self.counts["written_bytes"] += nbytes
 
@@ -492,8 +488,9 @@ class SharedTier(Actor):
 
     @property
     def pending_writes(self) -> int:
-        """Values queued or being written now."""
-        return self._writes.statistics().current_buffer_used + self._writing
+        """Values queued or being written now (counted from queue to settlement: a value handed
+        straight to the waiting writer is in neither the channel's buffer nor a batch yet)."""
+        return self._queued - self._settled
 
     # -- reporting --------------------------------------------------------------------------------
 
