@@ -113,7 +113,7 @@ async def test_a_forged_encoder_output_is_a_miss(demo_config, client, forgery):
         return
     assert text == "red", (forgery, text)
     assert (enc["shared_hits"], enc["encoder_runs"]) == (0, 1)
-    reason = "size" if forgery == "v1_checksum" else "mac"  # layout 1 is 24 bytes shorter: refused unread
+    reason = "version" if forgery == "v1_checksum" else "mac"  # layout 1's: left to its replicas, overwritten
     assert rejected[reason] == 1 and sum(rejected.values()) == 1, rejected
     # the honest write replaced it: what is under the key now verifies, and is RED's output
     now = verify(KIND_ENCODER, red_key, client.get(red_key), HONEST)

@@ -39,6 +39,7 @@ look-ups in threads are bounded by a limiter and the client's socket timeout.
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import time
 from collections import Counter
@@ -52,7 +53,8 @@ import trio
 from mmserve.actors.base import Actor
 from mmserve.cache.keys import key_prefix
 from mmserve.cache.shared_values import (
-    KIND_KV_BLOCK, REJECT_REASONS, MacKey, Rejected, all_finite, block_key, encode, value_size, verify)
+    KIND_KV_BLOCK, MAGIC, REJECT_REASONS, SHARED_VALUE_LAYOUT_VERSION, MacKey, Rejected, all_finite, block_key, encode,
+    value_size, verify)
 from mmserve.config import SharedCacheConfig
 
 ON, OFF = "on", "off"
@@ -254,8 +256,8 @@ class SharedTier(Actor):
 
     # -- look-ups ---------------------------------------------------------------------------------
 
-    async def get_many(self, kind: int, redis_keys: Sequence[bytes], dtype: torch.dtype | None,
-                       shapes: Sequence[Sequence[int | None] | None]) -> list[torch.Tensor | None]:
+    async def get_many(self, kind: int, redis_keys: Sequence[bytes], dtype: torch.dtype,
+                       shapes: Sequence[Sequence[int]]) -> list[torch.Tensor | None]:
         """The tensors stored under `redis_keys` (None for each miss), within the look-up deadline,
         each of `dtype` and of its whole shape in `shapes` (which bounds what is read of it). Any
         error, a late answer or a tier that is off: all misses. An entry that verifies has its TTL
@@ -334,8 +336,8 @@ class SharedTier(Actor):
             elif not v:
                 out.append(None)  # absent (an empty string is no value of ours either)
                 continue
-            elif len(v) != size:
-                got = Rejected("size")
+            elif len(v) != size:  # another layout's value is left to its replicas; any other is refused
+                got = Rejected("version" if _other_layout(v) else "size")
             else:
                 got = verify(kind, k, v, self.mac, dtype, shape)
             if isinstance(got, Rejected):
@@ -357,10 +359,16 @@ class SharedTier(Actor):
         self._nursery.start_soon(self._tidy, found, refused)
 
     async def _tidy(self, found: list[bytes], refused: list[Refused]) -> None:
+        import redis.exceptions
+
         try:
             deleted = await trio.to_thread.run_sync(self._renew_and_delete, found, refused,
                                                     limiter=self._tidy_limiter, abandon_on_cancel=True)
             self.counts["deleted"] += deleted
+        except redis.exceptions.ResponseError as e:  # e.g. an ACL without EVAL: look-ups and writes still work
+            self.counts["tidy_errors"] += 1
+            if self.counts["tidy_errors"] == 1:
+                self.log.warning("shared_tier.tidy_refused", error=_describe(e))
         except Exception as e:
             self._failed(e, "tidy")
         finally:
@@ -503,7 +511,7 @@ class SharedTier(Actor):
                                      "corrupt", "errors", "outages", "probes_failed", "writes", "write_errors",
                                      "written_bytes", "dropped_full", "dropped_off", "finish_flushed",
                                      "finish_flush_late", "finish_flush_wait_ms", "deleted", "refused_writes",
-                                     "tidy_skipped")},
+                                     "tidy_skipped", "tidy_errors")},
                 "rejected": {reason: self.rejected[reason] for reason in REJECT_REASONS}}
 
     def health_details(self) -> dict:
@@ -513,6 +521,12 @@ class SharedTier(Actor):
         s = self.stats()
         return {"state": s["state"], "last_error": self.public_error, "retry_in_s": s["retry_in_s"],
                 "errors": s["errors"], "dropped_full": s["dropped_full"]}
+
+
+def _other_layout(value: bytes) -> bool:
+    """Whether `value` says it is a value of another layout version than this one's."""
+    return (len(value) >= 6 and value[:4] == MAGIC
+            and struct.unpack_from("<H", value, 4)[0] != SHARED_VALUE_LAYOUT_VERSION)
 
 
 def _describe(e: BaseException) -> str:
