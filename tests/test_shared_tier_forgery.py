@@ -315,6 +315,11 @@ async def test_a_refused_value_rewritten_since_is_not_deleted_and_honest_writes_
         assert tr.put_soon(KIND_ENCODER, key, t)
         await settle(rt)
         assert client.get(key) == honest and 0 < client.ttl(key) <= rt.config.shared_cache.ttl_s
+        # and a replica never writes a tensor that is not finite (its own fault is not spread)
+        nan_key = encoder_key(bytes([9]) * 16)
+        assert tr.put_soon(KIND_ENCODER, nan_key, torch.tensor([[1.0, float("nan")]]))
+        await settle(rt)
+        assert client.exists(nan_key) == 0 and tr.stats()["refused_writes"] == 1
 
 
 async def test_health_never_names_where_redis_is(demo_config, tmp_path):

@@ -466,25 +466,29 @@ class SharedTier(Actor):
             self.counts["dropped_off"] += len(batch)
             return
         try:
-            written, nbytes = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
+            written, nbytes, refused = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
         except Exception as e:
             self.counts["write_errors"] += len(batch)
             self._failed(e, "write")
             return
         self.counts["writes"] += written
         self.counts["written_bytes"] += nbytes
+        if refused:
+            self.counts["refused_writes"] += refused
+            self.log.warning("shared_tier.refused_write", values=refused)
 
-    def _set_many(self, batch: list) -> tuple[int, int]:
+    def _set_many(self, batch: list) -> tuple[int, int, int]:
         """Writes a batch in one pipelined round trip. SET EX, not SET NX: whatever is under the
         key (a value another replica wrote, or one planted there) is replaced by this honest one.
-        A tensor that is not finite is never written: this replica's own fault, not spread."""
+        A tensor that is not finite is never written: this replica's own fault, not spread.
+        (values written, their bytes, values refused)."""
         torch.set_num_threads(1)
         pipe = self.client().pipeline(transaction=False)
-        nbytes = written = 0
+        nbytes = written = refused = 0
         for kind, key, tensor in batch:
             tensor = tensor.detach().to("cpu")  # once, for the check and the bytes
             if not all_finite(tensor):
-                self.counts["refused_writes"] += 1
+                refused += 1
                 continue
             value = encode(kind, key, tensor, self.mac)
             nbytes += len(value)
@@ -492,7 +496,7 @@ class SharedTier(Actor):
             pipe.set(key, value, ex=self.config.ttl_s)
         if written:
             pipe.execute()
-        return written, nbytes
+        return written, nbytes, refused
 
     @property
     def pending_writes(self) -> int:
