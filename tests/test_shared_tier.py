@@ -161,6 +161,8 @@ async def test_killed_restarted_and_full_redis(demo_config, tmp_path):
             assert stats["state"] == "off" and stats["errors"] >= 1 and stats["outages"] == 1
             health = a.health().to_json()
             assert health["status"] == "ok" and health["details"]["shared_tier[demo]"]["state"] == "off"
+            assert health["details"]["shared_tier[demo]"]["last_error"] == "Redis is unreachable"
+            assert str(server.port) not in str(health)  # never where Redis is (the log has it)
             assert 'mmserve:shared_cache_up{model_name="demo"} 0.0' in a.metrics.render().decode()
             server.start()  # back (empty): the tier probes its way back on, and fills again
             with trio.fail_after(10):
@@ -182,6 +184,8 @@ async def test_killed_restarted_and_full_redis(demo_config, tmp_path):
                     await trio.sleep(0.01)
             stats = tier(a).stats()
             assert stats["write_errors"] >= 1 and stats["writes"] == writes and server.client().dbsize() == 0
+            assert a.health().to_json()["details"]["shared_tier[demo]"]["last_error"] == \
+                "Redis is full (it refuses writes)"
     finally:
         server.kill()
 

@@ -548,8 +548,10 @@ def _public(e: BaseException) -> str:
         return "Redis did not answer in time"
     if isinstance(e, (rex.ConnectionError, ConnectionError, OSError)):
         return "Redis is unreachable"
+    if isinstance(e, rex.OutOfMemoryError) or (isinstance(e, rex.ResponseError) and str(e).startswith("OOM")):
+        return "Redis is full (it refuses writes)"
     if isinstance(e, rex.ResponseError):
-        return "Redis is full (it refuses writes)" if str(e).startswith("OOM") else "Redis refused a command"
+        return "Redis refused a command"
     return f"Redis error ({type(e).__name__})"
 
 
