@@ -82,7 +82,8 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
              ("admin_key", 5), ("admin_key_env", 5)],
     "shared_cache": [("url", 5), ("url", "http://127.0.0.1:6379"), ("lookup_deadline_ms", 0), ("ttl_s", 0),
                      ("write_queue", 0), ("write_batch", 0), ("backoff_s", 0), ("max_backoff_s", 0.5),
-                     ("socket_timeout_s", -1), ("finish_flush_ms", -1)],
+                     ("socket_timeout_s", -1), ("finish_flush_ms", -1), ("secret", 5), ("secret_file", 5),
+                     ("secret_env", 5), ("trust", "everyone")],
     "models": [("name", ""), ("path", ""), ("path", "/no/such/checkpoint"), ("path", "builtin:no-such-demo"),
                ("default", "yes"), ("load", "lazy"), ("tool_parser", "mistral"), ("tool_parser", 1)],
 }
@@ -114,8 +115,50 @@ def test_every_key_is_checked_and_the_error_names_section_key_and_value(section,
     msg = str(e.value)
     assert msg.startswith(f"config {label}"), msg
     assert f" {key}: " in msg, msg
-    assert any(s in msg for s in shown(bad)), msg
+    if (section, key) == ("shared_cache", "secret"):  # a secret is never echoed, even a malformed one
+        assert repr(bad) not in msg and "got a int" in msg, msg
+    else:
+        assert any(s in msg for s in shown(bad)), msg
     assert "\n" not in msg
+
+
+SECRET = "a-secret-of-at-least-16-bytes"
+
+
+def test_a_shared_cache_without_a_secret_must_say_it_trusts_the_network():
+    """A url without a secret is a config error naming both ways out; trust = "network" is the
+    other. The error never echoes a secret."""
+    with pytest.raises(ValueError) as e:
+        config_from_dict({"shared_cache": {"url": "redis://127.0.0.1:6379/0"}})
+    msg = str(e.value)
+    assert msg.startswith("config [shared_cache]") and "secret" in msg and 'trust = "network"' in msg, msg
+    assert "secret_file" in msg and "secret_env" in msg
+    ok = config_from_dict({"shared_cache": {"url": "redis://127.0.0.1:6379/0", "trust": "network"}}).shared_cache
+    assert ok.secret_bytes() is None
+    assert config_from_dict({"shared_cache": {"trust": "secret"}}).shared_cache.secret_bytes() is None  # off: fine
+    with_secret = config_from_dict({"shared_cache": {"url": "redis://h:1/0", "secret": SECRET}}).shared_cache
+    assert with_secret.secret_bytes() == SECRET.encode() and SECRET not in repr(with_secret)
+    with pytest.raises(ValueError) as e:
+        config_from_dict({"shared_cache": {"url": "redis://h:1/0", "secret": "short-secret"}})
+    assert "at least 16 bytes" in str(e.value) and "short-secret" not in str(e.value)
+    with pytest.raises(ValueError, match="at most one of secret, secret_file and secret_env"):
+        config_from_dict({"shared_cache": {"secret": SECRET, "secret_env": "X"}})
+
+
+def test_the_secret_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    url = "redis://127.0.0.1:6379/0"
+    assert config_from_dict({"shared_cache": {"url": url, "secret_file": str(path)}}).shared_cache.secret_bytes() \
+        == SECRET.encode()
+    with pytest.raises(ValueError, match="secret_file: cannot read"):
+        config_from_dict({"shared_cache": {"url": url, "secret_file": str(tmp_path / "absent")}})
+    monkeypatch.delenv("MMSERVE_TEST_SECRET", raising=False)
+    with pytest.raises(ValueError, match="'MMSERVE_TEST_SECRET' is not set"):
+        config_from_dict({"shared_cache": {"url": url, "secret_env": "MMSERVE_TEST_SECRET"}})
+    monkeypatch.setenv("MMSERVE_TEST_SECRET", SECRET)
+    config = config_from_dict({"shared_cache": {"url": url, "secret_env": "MMSERVE_TEST_SECRET"}})
+    assert config.shared_cache.secret_bytes() == SECRET.encode()
 
 
 def test_message_format():

@@ -172,7 +172,7 @@ def test_a_llava_and_an_idefics3_with_one_image_token_never_share_an_encoder_out
 def replicas(runtimes, tmp_path_factory):
     """Two replicas of the cache-on runtime (tiny arena and encoder cache) on one real redis-server."""
     on, _ = runtimes
-    shared = {"lookup_deadline_ms": 3000.0, "backoff_s": 0.05, "max_backoff_s": 0.2}
+    shared = {"lookup_deadline_ms": 3000.0, "backoff_s": 0.05, "max_backoff_s": 0.2, "secret": "idefics3-replicas-secret"}
     with RedisServer(tmp_path_factory.mktemp("redis"), None) as server:
         config = on.runtime.config.replace(shared_cache=dict(shared, url=server.url))
         with SyncRuntime(config) as a, SyncRuntime(config) as b:

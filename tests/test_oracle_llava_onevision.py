@@ -147,7 +147,8 @@ async def test_a_hit_restored_from_redis_ending_inside_a_tile_gets_the_rest_from
         expected = (await off.chat_completion(second, **extra)).choices[0]
     with RedisServer(tmp_path / "redis", None) as server:
         shared = base.replace(kv_cache={"block_size": 8}, shared_cache={
-            "url": server.url, "lookup_deadline_ms": 3000.0, "backoff_s": 0.05, "max_backoff_s": 0.2})
+            "url": server.url, "secret": "onevision-replicas-secret", "lookup_deadline_ms": 3000.0, "backoff_s": 0.05,
+            "max_backoff_s": 0.2})
         async with Runtime.open(shared) as a, Runtime.open(shared) as b:
             await a.chat_completion(first, **extra)
             tier_a = a.registry.require("ov").actors["shared_tier"]

@@ -21,7 +21,7 @@ from tests.test_oracle import conversations, run_turn, user_message
 @pytest.fixture(scope="module")
 def replicas(three_model_config, tmp_path_factory):
     config = three_model_config
-    shared = {"lookup_deadline_ms": 3000.0, "backoff_s": 0.05, "max_backoff_s": 0.2}
+    shared = {"lookup_deadline_ms": 3000.0, "backoff_s": 0.05, "max_backoff_s": 0.2, "secret": "oracle-replicas-secret"}
     with RedisServer(tmp_path_factory.mktemp("redis"), None) as server:
         tiny = config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384}, encoder_cache={"max_entries": 3},
                               shared_cache=dict(shared, url=server.url))

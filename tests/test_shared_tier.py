@@ -16,6 +16,8 @@ from mmserve.models.demo import Q_BACKGROUND, Q_SHAPE, render_image
 from tests.helpers import ask
 from tests.redis_server import RedisServer
 
+SECRET = "shared-tier-test-secret"  # the replicas' shared secret (values in Redis are tagged with it)
+
 RED = render_image("red", "circle", background="white", seed=3)
 BLUE = render_image("blue", "square", background="black", seed=4)
 
@@ -36,8 +38,8 @@ def redis_url(redis_server):
 
 def tier_config(demo_config, url: str, **shared):
     base = demo_config.replace(models=demo_config.models[:1])
-    return base.replace(shared_cache=dict({"url": url, "lookup_deadline_ms": 3000.0, "backoff_s": 0.05,
-                                           "max_backoff_s": 0.2}, **shared))
+    return base.replace(shared_cache=dict({"url": url, "secret": SECRET, "lookup_deadline_ms": 3000.0,
+                                           "backoff_s": 0.05, "max_backoff_s": 0.2}, **shared))
 
 
 def off_config(demo_config):
@@ -159,6 +161,8 @@ async def test_killed_restarted_and_full_redis(demo_config, tmp_path):
             assert stats["state"] == "off" and stats["errors"] >= 1 and stats["outages"] == 1
             health = a.health().to_json()
             assert health["status"] == "ok" and health["details"]["shared_tier[demo]"]["state"] == "off"
+            assert health["details"]["shared_tier[demo]"]["last_error"] == "Redis is unreachable"
+            assert str(server.port) not in str(health)  # never where Redis is (the log has it)
             assert 'mmserve:shared_cache_up{model_name="demo"} 0.0' in a.metrics.render().decode()
             server.start()  # back (empty): the tier probes its way back on, and fills again
             with trio.fail_after(10):
@@ -180,6 +184,8 @@ async def test_killed_restarted_and_full_redis(demo_config, tmp_path):
                     await trio.sleep(0.01)
             stats = tier(a).stats()
             assert stats["write_errors"] >= 1 and stats["writes"] == writes and server.client().dbsize() == 0
+            assert a.health().to_json()["details"]["shared_tier[demo]"]["last_error"] == \
+                "Redis is full (it refuses writes)"
     finally:
         server.kill()
 

@@ -1,17 +1,32 @@
 """The shared tier's byte layouts (cache/shared_values.py): keys and value headers are pinned, and a
-stored value decodes to exactly its tensor or to None (a miss) — never to anything else."""
+stored value decodes to exactly its tensor or to None (a miss) — never to anything else: not a
+value tagged under another secret or none, not one of another size, not a NaN."""
 
+import hashlib
+import hmac
 import struct
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mmserve.cache import shared_values as sv
 from mmserve.cache.shared_values import (
-    KIND_ENCODER, KIND_KV_BLOCK, MAGIC, NAMESPACE, SHARED_KEY_LAYOUT_VERSION, SHARED_VALUE_LAYOUT_VERSION,
-    block_key, decode, encode, encoder_key)
+    KIND_ENCODER, KIND_KV_BLOCK, MAC_CONTEXT, MAGIC, MIN_SECRET_BYTES, NAMESPACE, SHARED_KEY_LAYOUT_VERSION,
+    SHARED_VALUE_LAYOUT_VERSION, MacKey, Rejected, block_key, encoder_key, value_size, verify)
+from mmserve.config.checks import MIN_SHARED_SECRET_BYTES
 
 KEY = bytes(range(16))
+SECRET = b"0123456789abcdef-test-secret"
+MAC = MacKey(SECRET)
+
+
+def encode(kind, key, t, mac=MAC):
+    return sv.encode(kind, key, t, mac)
+
+
+def decode(kind, key, value, dtype=None, shape=None, mac=MAC):
+    return sv.decode(kind, key, value, mac, dtype, shape)
 
 
 def test_key_bytes_are_pinned():
@@ -28,15 +43,81 @@ def test_key_bytes_are_pinned():
 
 
 def test_value_header_bytes_are_pinned():
-    assert SHARED_VALUE_LAYOUT_VERSION == 1
-    value = encode(KIND_KV_BLOCK, block_key(KEY), torch.arange(6, dtype=torch.float32).reshape(2, 3))
-    assert value.hex() == (
-        "4d4d5356" "0100" "02" "01" "02"     # magic, version 1, kind KV block, float32, 2 dims
-        "02000000" "03000000"                # shape 2 x 3
-        "1800000000000000"                   # 24 payload bytes
-        "6f3037f957b50dd9"                   # xxh3_64 over header, key and payload
-        "00000000" "0000803f" "00000040" "00004040" "00008040" "0000a040")
+    assert SHARED_VALUE_LAYOUT_VERSION == 2
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    value = encode(KIND_KV_BLOCK, block_key(KEY), t)
+    header = bytes.fromhex("4d4d5356" "0200" "02" "01" "02" "02000000" "03000000" "1800000000000000")
+    payload = bytes.fromhex("00000000" "0000803f" "00000040" "00004040" "00008040" "0000a040")
+    tag = bytes.fromhex("b2aaa6d9a23c180eeb06ab91b9aa1f850b4ec85ec08d78871b3ba49722f279cc")
+    assert value == header + tag + payload  # magic, version 2, KV block, float32, 2 dims, 2 x 3, 24 bytes
+    # the tag is HMAC-SHA256 under HMAC-SHA256(secret, MAC_CONTEXT), over len(key), key, header, payload
+    mac_key = hmac.new(SECRET, MAC_CONTEXT, hashlib.sha256).digest()
+    key = block_key(KEY)
+    assert tag == hmac.new(mac_key, struct.pack("<I", len(key)) + key + header + payload, hashlib.sha256).digest()
     assert value[:4] == MAGIC
+    assert len(value) == value_size(torch.float32, (2, 3))
+
+
+def test_secrets_and_their_bounds():
+    assert MIN_SECRET_BYTES == MIN_SHARED_SECRET_BYTES == 16
+    with pytest.raises(ValueError):
+        MacKey(b"x" * 15)
+    assert "test-secret" not in repr(MAC) and MAC.authenticated
+    public = MacKey.unauthenticated()
+    assert not public.authenticated
+    t, key = torch.randn(2, 3), block_key(KEY)
+    value = encode(KIND_KV_BLOCK, key, t)
+    other = MacKey(b"another secret of the same length")
+    assert verify(KIND_KV_BLOCK, key, value, other) == Rejected("mac")  # another secret's replicas: foreign
+    assert verify(KIND_KV_BLOCK, key, value, public) == Rejected("mac")
+    assert decode(KIND_KV_BLOCK, key, encode(KIND_KV_BLOCK, key, t, public), mac=public) is not None
+
+
+def test_a_value_resigned_with_the_old_public_checksum_is_refused():
+    """Version 1's forgery: the header and payload of another tensor, with xxh3-64 under the
+    public seed as its checksum (anyone could compute it). Whatever its version field says, it
+    never verifies."""
+    import xxhash
+
+    key, forged_tensor = block_key(KEY), torch.full((2, 3), 7.0)
+    payload = forged_tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    for version in (1, 2):
+        head = struct.pack("<4sHBBB2IQ", MAGIC, version, KIND_KV_BLOCK, 1, 2, 2, 3, len(payload))
+        h = xxhash.xxh3_64(seed=0x4D4D_5345_5256_0006)
+        for part in (head, key, payload):
+            h.update(part)
+        checksum = struct.pack("<Q", h.intdigest())
+        forged = head + checksum + payload if version == 1 else head + checksum * 4 + payload
+        got = verify(KIND_KV_BLOCK, key, forged, MAC, torch.float32, (2, 3))
+        assert got == Rejected("version" if version == 1 else "mac")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_are_refused_even_with_a_valid_tag(dtype, bad):
+    key = block_key(KEY)
+    for n, at in ((1, 0), (1000, 0), (1000, 517), (1000, 999), (4099, 4098)):  # the sum's vector body and tail
+        t = torch.randn(n).to(dtype)
+        t[at] = bad
+        assert verify(KIND_KV_BLOCK, key, encode(KIND_KV_BLOCK, key, t), MAC) == Rejected("non_finite")
+    big = torch.full((1000,), torch.finfo(dtype).max if dtype == torch.float16 else 1e4).to(dtype)
+    assert isinstance(verify(KIND_KV_BLOCK, key, encode(KIND_KV_BLOCK, key, big), MAC), torch.Tensor)
+
+
+def test_each_refusal_has_its_reason():
+    t, key = torch.randn(2, 3), block_key(KEY)
+    value = encode(KIND_KV_BLOCK, key, t)
+    assert verify(KIND_KV_BLOCK, key, None, MAC) is None  # absent: no reason
+    assert verify(KIND_KV_BLOCK, key, b"junk", MAC) == Rejected("format")
+    assert verify(KIND_ENCODER, key, value, MAC) == Rejected("format")
+    assert verify(KIND_KV_BLOCK, key, value, MAC, torch.float16) == Rejected("format")
+    assert verify(KIND_KV_BLOCK, key, value, MAC, shape=(3, 2)) == Rejected("format")
+    assert verify(KIND_KV_BLOCK, key, value[:-1], MAC) == Rejected("size")
+    assert verify(KIND_KV_BLOCK, key, value + b"\0", MAC) == Rejected("size")
+    assert verify(KIND_KV_BLOCK, block_key(bytes(16)), value, MAC) == Rejected("mac")
+    flipped = bytearray(value)
+    flipped[-1] ^= 1
+    assert verify(KIND_KV_BLOCK, key, bytes(flipped), MAC) == Rejected("mac")
 
 
 @st.composite
@@ -102,4 +183,5 @@ def test_foreign_values_are_misses():
     newer = bytearray(value)
     newer[4:6] = struct.pack("<H", SHARED_VALUE_LAYOUT_VERSION + 1)  # a later layout: not read
     assert decode(KIND_KV_BLOCK, key, bytes(newer)) is None
+    assert verify(KIND_KV_BLOCK, key, bytes(newer), MAC) == Rejected("version")
     assert decode(KIND_KV_BLOCK, key, None) is None

@@ -4,8 +4,17 @@ It sits under both local caches: the encoder asks it for the encoder outputs its
 (and hands it fresh ones to write), the prefix-cache manager asks it for the KV blocks that follow
 a local prefix hit (and hands it the blocks committed here). Keys and values are laid out in
 `cache.shared_values`: the local keys (model signature and `cache_salt` inside) under a versioned
-namespace, and values whose header and checksum make any corrupt, truncated or foreign value a
-miss.
+namespace, and values whose header and HMAC tag (under the secret the replicas share) make any
+corrupt, truncated, foreign or forged value a miss.
+
+Nothing anyone else writes to Redis is believed:
+- a look-up reads at most the exact size a value of its key has (`GETRANGE key 0 size`): a longer
+  value is refused without being read (a 200 MB value planted under a key costs one value's bytes);
+- a value that does not verify (tag, format, size, or a NaN/inf in it) is a miss, counted by reason
+  (`rejected`), and deleted — unless it was rewritten since it was read (a compare-and-delete in
+  one Lua script, so an honest value written in between stays);
+- writes overwrite (`SET EX`, not `SET NX`): a planted value never locks an honest one out;
+- only values that verified have their TTL renewed (after the read, in the background).
 
 Never slower and never down because of the tier:
 - a look-up has a deadline (`lookup_deadline_ms`): a late answer is a miss;
@@ -30,6 +39,7 @@ look-ups in threads are bounded by a limiter and the client's socket timeout.
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import time
 from collections import Counter
@@ -42,12 +52,42 @@ import trio
 
 from mmserve.actors.base import Actor
 from mmserve.cache.keys import key_prefix
-from mmserve.cache.shared_values import KIND_KV_BLOCK, block_key, decode, encode
+from mmserve.cache.shared_values import (
+    KIND_KV_BLOCK, MAGIC, REJECT_REASONS, SHARED_VALUE_LAYOUT_VERSION, MacKey, Rejected, all_finite, block_key, encode,
+    value_size, verify)
 from mmserve.config import SharedCacheConfig
 
 ON, OFF = "on", "off"
 LATE_STREAK_OFF = 3  # this many late look-ups in a row count as an error (Redis is too slow)
 FETCH_CHUNK_BYTES = 4 << 20  # KV blocks are read about this much per round trip (what arrived by the deadline is kept)
+TIDY_PENDING_MAX = 8  # after-read rounds (TTL renewals, deletions of refused values) waiting; more are skipped
+REFUSED_PREFIX_BYTES = 128  # what a compare-and-delete compares: the header and tag of any value, and more
+
+# Deletes a value that was refused, unless it was rewritten since it was read: KEYS[1] the key;
+# ARGV[1] the first bytes that were read of it, ARGV[2] how many bytes were read, ARGV[3] "1" when
+# the read stopped short (the value is at least that long), "0" when it read the whole value.
+# A key of another type than a string (never one of ours) is deleted.
+DELETE_REFUSED_LUA = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'none' then return 0 end
+if t ~= 'string' then return redis.call('DEL', KEYS[1]) end
+local n = redis.call('STRLEN', KEYS[1])
+local read = tonumber(ARGV[2])
+if (ARGV[3] == '1' and n < read) or (ARGV[3] == '0' and n ~= read) then return 0 end
+if redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[1]) - 1) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A stored value a look-up refused: enough of it to delete it unless it was rewritten since."""
+
+    key: bytes
+    reason: str
+    prefix: bytes  # its first REFUSED_PREFIX_BYTES bytes (fewer when it is shorter)
+    read: int  # bytes read of it
+    partial: bool  # the read stopped at the size limit: the value is longer
 
 
 @dataclass(frozen=True)
@@ -77,6 +117,8 @@ class SharedTier(Actor):
     name = "shared_tier"
     LOOKUP_THREADS = 4
     WARM_CONNECTIONS = LOOKUP_THREADS + 1  # opened at connect: as many look-ups as run at once, and the writer
+    # the pool: the look-ups, the writer, the after-read round (TTL renewals and deletions), a probe
+    MAX_CONNECTIONS = LOOKUP_THREADS + 3
 
     def __init__(self, model: str, config: SharedCacheConfig):
         super().__init__(model=model)
@@ -85,13 +127,19 @@ class SharedTier(Actor):
         self.state = ON
         self.off_until = 0.0
         self.backoff_s = config.backoff_s
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # in full, for logs and /debug (it can name Redis's host)
+        self.public_error: str | None = None  # what /health shows: what went wrong, never where
         self.counts: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()  # refused values by reason (REJECT_REASONS)
+        secret = config.secret_bytes()
+        self.mac = MacKey(secret) if secret is not None else MacKey.unauthenticated()
+        self._delete_refused = None  # the compare-and-delete script, registered with the client
+        self._tidy_pending = 0
+        self._tidy_limiter = trio.CapacityLimiter(1)
         self._client = None
         self._nursery: trio.Nursery | None = None
         self._probing = False
         self._late_streak = 0
-        self._writing = 0  # values of the batch being written now
         self._queued = 0  # values ever queued; the n-th one queued is settled once _settled >= n
         self._settled = 0  # values written, failed or dropped, in queue order
         self._settle_waits: list[tuple[int, trio.Event]] = []
@@ -124,7 +172,8 @@ class SharedTier(Actor):
 
             self._client = redis.Redis.from_url(
                 self.config.url, socket_timeout=self.config.socket_timeout_s,
-                socket_connect_timeout=self.config.socket_timeout_s, max_connections=self.LOOKUP_THREADS + 2)
+                socket_connect_timeout=self.config.socket_timeout_s, max_connections=self.MAX_CONNECTIONS)
+            self._delete_refused = self._client.register_script(DELETE_REFUSED_LUA)
         return self._client
 
     # -- on / off ---------------------------------------------------------------------------------
@@ -186,7 +235,7 @@ class SharedTier(Actor):
             await self._open_pool()
         except Exception as e:
             self.counts["probes_failed"] += 1
-            self.last_error = _describe(e)
+            self.last_error, self.public_error = _describe(e), _public(e)
             self.backoff_s = min(self.backoff_s * 2, self.config.max_backoff_s)
             self.off_until = trio.current_time() + self.backoff_s
         else:
@@ -198,6 +247,7 @@ class SharedTier(Actor):
     def _failed(self, error: BaseException | str, during: str) -> None:
         self.counts["errors"] += 1
         self.last_error = error if isinstance(error, str) else _describe(error)
+        self.public_error = error if isinstance(error, str) else _public(error)  # a str is ours: no address in it
         if self.state == ON:  # logged once per outage; the probes that fail are only counted
             self.state = OFF
             self.counts["outages"] += 1
@@ -206,10 +256,12 @@ class SharedTier(Actor):
 
     # -- look-ups ---------------------------------------------------------------------------------
 
-    async def get_many(self, kind: int, redis_keys: Sequence[bytes], dtype: torch.dtype | None,
-                       shapes: Sequence[Sequence[int | None] | None]) -> list[torch.Tensor | None]:
-        """The tensors stored under `redis_keys` (None for each miss), within the look-up deadline.
-        Any error, a late answer or a tier that is off: all misses. Reading an entry renews its TTL."""
+    async def get_many(self, kind: int, redis_keys: Sequence[bytes], dtype: torch.dtype,
+                       shapes: Sequence[Sequence[int]]) -> list[torch.Tensor | None]:
+        """The tensors stored under `redis_keys` (None for each miss), within the look-up deadline,
+        each of `dtype` and of its whole shape in `shapes` (which bounds what is read of it). Any
+        error, a late answer or a tier that is off: all misses. An entry that verifies has its TTL
+        renewed; one that does not is a miss, counted and deleted (both after the answer)."""
         out: list[torch.Tensor | None] = [None] * len(redis_keys)
         if not redis_keys or not self.active():
             return out
@@ -241,7 +293,7 @@ class SharedTier(Actor):
         """One pipelined read answered by `deadline`; None when late, failed or off."""
         with trio.move_on_at(deadline) as scope:
             try:
-                out, corrupt = await trio.to_thread.run_sync(
+                out, found, refused = await trio.to_thread.run_sync(
                     self._get_decode, kind, list(redis_keys), dtype, list(shapes),
                     limiter=self._limiter, abandon_on_cancel=True)
             except Exception as e:
@@ -255,20 +307,83 @@ class SharedTier(Actor):
                 self._failed(f"{self._late_streak} look-ups in a row took longer than {ms:g} ms", "lookup")
             return None
         self._late_streak = 0
-        if corrupt:
-            self.counts["corrupt"] += corrupt
-            self.log.warning("shared_tier.bad_value", values=corrupt, kind=kind)
+        if refused:
+            self.counts["corrupt"] += len(refused)
+            reasons = Counter(r.reason for r in refused)
+            self.rejected.update(reasons)
+            self.log.warning("shared_tier.bad_value", values=len(refused), kind=kind, reasons=dict(reasons))
+        if found or refused:
+            self._tidy_soon(found, [r for r in refused if r.reason != "version"])
         return out
 
-    def _get_decode(self, kind: int, keys: list[bytes], dtype, shapes) -> tuple[list, int]:
-        """(tensors, how many stored values were rejected) — in a worker thread."""
+    def _get_decode(self, kind: int, keys: list[bytes], dtype: torch.dtype, shapes) -> tuple[list, list, list]:
+        """(tensors or None per key, the keys whose values verified, the values refused) — in a
+        worker thread. Each value is read up to one byte past its exact size: a longer one is
+        refused without reading the rest."""
         torch.set_num_threads(1)  # see actors/compute.py: no second OpenMP team
+        sizes = [value_size(dtype, s) for s in shapes]
         pipe = self.client().pipeline(transaction=False)
-        for k in keys:
-            pipe.getex(k, ex=self.config.ttl_s)
-        values = pipe.execute()
-        out = [decode(kind, k, v, dtype, s) for k, v, s in zip(keys, values, shapes)]
-        return out, sum(1 for v, t in zip(values, out) if v is not None and t is None)
+        for k, size in zip(keys, sizes):
+            pipe.getrange(k, 0, size)  # inclusive: at most size + 1 bytes
+        values = pipe.execute(raise_on_error=False)
+        out, found, refused = [], [], []
+        for k, v, size, shape in zip(keys, values, sizes, shapes):
+            if isinstance(v, Exception):
+                if not str(v).startswith("WRONGTYPE"):
+                    raise v  # Redis refuses reads: the tier's error, not this value's
+                got = Rejected("format")  # a hash, list... under our key: never one of ours
+                v = b""
+            elif not v:
+                out.append(None)  # absent (an empty string is no value of ours either)
+                continue
+            elif len(v) != size:  # another layout's value is left to its replicas; any other is refused
+                got = Rejected("version" if _other_layout(v) else "size")
+            else:
+                got = verify(kind, k, v, self.mac, dtype, shape)
+            if isinstance(got, Rejected):
+                out.append(None)
+                refused.append(Refused(k, got.reason, bytes(v[:REFUSED_PREFIX_BYTES]), len(v), len(v) > size))
+            else:
+                out.append(got)
+                found.append(k)
+        return out, found, refused
+
+    def _tidy_soon(self, found: list[bytes], refused: list[Refused]) -> None:
+        """After a look-up has answered: the TTLs of the values that verified are renewed, the
+        refused values deleted (unless rewritten since). Bounded: when too many rounds wait,
+        this one is skipped (a value's TTL is then not renewed; a refused value is refused again)."""
+        if self._nursery is None or self._tidy_pending >= TIDY_PENDING_MAX:
+            self.counts["tidy_skipped"] += 1
+            return
+        self._tidy_pending += 1
+        self._nursery.start_soon(self._tidy, found, refused)
+
+    async def _tidy(self, found: list[bytes], refused: list[Refused]) -> None:
+        import redis.exceptions
+
+        try:
+            deleted = await trio.to_thread.run_sync(self._renew_and_delete, found, refused,
+                                                    limiter=self._tidy_limiter, abandon_on_cancel=True)
+            self.counts["deleted"] += deleted
+        except redis.exceptions.ResponseError as e:  # e.g. an ACL without EVAL: look-ups and writes still work
+            self.counts["tidy_errors"] += 1
+            if self.counts["tidy_errors"] == 1:
+                self.log.warning("shared_tier.tidy_refused", error=_describe(e))
+        except Exception as e:
+            self._failed(e, "tidy")
+        finally:
+            self._tidy_pending -= 1
+
+    def _renew_and_delete(self, found: list[bytes], refused: list[Refused]) -> int:
+        """(Worker thread.) One pipelined round trip; how many refused values were deleted."""
+        client = self.client()
+        pipe = client.pipeline(transaction=False)
+        for k in found:
+            pipe.expire(k, self.config.ttl_s)
+        for r in refused:
+            self._delete_refused(keys=[r.key], args=[r.prefix, r.read, 1 if r.partial else 0], client=pipe)
+        replies = pipe.execute()
+        return sum(1 for x in replies[len(found):] if x == 1)
 
     async def _fetch_blocks(self, msg: FetchBlocks) -> None:
         t0, found = time.monotonic(), []
@@ -350,34 +465,44 @@ class SharedTier(Actor):
         if not self.active():
             self.counts["dropped_off"] += len(batch)
             return
-        self._writing = len(batch)
         try:
-            written, nbytes = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
+            written, nbytes, refused = await trio.to_thread.run_sync(self._set_many, batch, abandon_on_cancel=True)
         except Exception as e:
             self.counts["write_errors"] += len(batch)
             self._failed(e, "write")
             return
-        finally:
-            self._writing = 0
         self.counts["writes"] += written
         self.counts["written_bytes"] += nbytes
+        if refused:
+            self.counts["refused_writes"] += refused
+            self.log.warning("shared_tier.refused_write", values=refused)
 
-    def _set_many(self, batch: list) -> tuple[int, int]:
-        """Writes a batch in one pipelined round trip (SET NX EX: a value is written once)."""
+    def _set_many(self, batch: list) -> tuple[int, int, int]:
+        """Writes a batch in one pipelined round trip. SET EX, not SET NX: whatever is under the
+        key (a value another replica wrote, or one planted there) is replaced by this honest one.
+        A tensor that is not finite is never written: this replica's own fault, not spread.
+        (values written, their bytes, values refused)."""
         torch.set_num_threads(1)
         pipe = self.client().pipeline(transaction=False)
-        nbytes = 0
+        nbytes = written = refused = 0
         for kind, key, tensor in batch:
-            value = encode(kind, key, tensor)
+            tensor = tensor.detach().to("cpu")  # once, for the check and the bytes
+            if not all_finite(tensor):
+                refused += 1
+                continue
+            value = encode(kind, key, tensor, self.mac)
             nbytes += len(value)
-            pipe.set(key, value, ex=self.config.ttl_s, nx=True)
-        pipe.execute()
-        return len(batch), nbytes
+            written += 1
+            pipe.set(key, value, ex=self.config.ttl_s)
+        if written:
+            pipe.execute()
+        return written, nbytes, refused
 
     @property
     def pending_writes(self) -> int:
-        """Values queued or being written now."""
-        return self._writes.statistics().current_buffer_used + self._writing
+        """Values queued or being written now (counted from queue to settlement: a value handed
+        straight to the waiting writer is in neither the channel's buffer nor a batch yet)."""
+        return self._queued - self._settled
 
     # -- reporting --------------------------------------------------------------------------------
 
@@ -389,16 +514,45 @@ class SharedTier(Actor):
                 **{k: c[k] for k in ("encoder_queries", "encoder_hits", "block_queries", "block_hits", "late",
                                      "corrupt", "errors", "outages", "probes_failed", "writes", "write_errors",
                                      "written_bytes", "dropped_full", "dropped_off", "finish_flushed",
-                                     "finish_flush_late", "finish_flush_wait_ms")}}
+                                     "finish_flush_late", "finish_flush_wait_ms", "deleted", "refused_writes",
+                                     "tidy_skipped", "tidy_errors")},
+                "rejected": {reason: self.rejected[reason] for reason in REJECT_REASONS}}
 
     def health_details(self) -> dict:
-        """For /health (informational: a tier that is off never makes the model unhealthy)."""
+        """For the public /health (informational: a tier that is off never makes the model
+        unhealthy): whether it is on and what went wrong, never where Redis is (no host, port or
+        URL; the logs and the admin's /debug/cache have the full error)."""
         s = self.stats()
-        return {k: s[k] for k in ("state", "last_error", "retry_in_s", "errors", "dropped_full")}
+        return {"state": s["state"], "last_error": self.public_error, "retry_in_s": s["retry_in_s"],
+                "errors": s["errors"], "dropped_full": s["dropped_full"]}
+
+
+def _other_layout(value: bytes) -> bool:
+    """Whether `value` says it is a value of another layout version than this one's."""
+    return (len(value) >= 6 and value[:4] == MAGIC
+            and struct.unpack_from("<H", value, 4)[0] != SHARED_VALUE_LAYOUT_VERSION)
 
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def _public(e: BaseException) -> str:
+    """What kind of failure `e` is, in words that say nothing of where Redis is (redis-py's
+    messages name the host and port)."""
+    import redis.exceptions as rex
+
+    if isinstance(e, rex.AuthenticationError):
+        return "Redis refused the credentials"
+    if isinstance(e, (rex.TimeoutError, TimeoutError)):
+        return "Redis did not answer in time"
+    if isinstance(e, (rex.ConnectionError, ConnectionError, OSError)):
+        return "Redis is unreachable"
+    if isinstance(e, rex.OutOfMemoryError) or (isinstance(e, rex.ResponseError) and str(e).startswith("OOM")):
+        return "Redis is full (it refuses writes)"
+    if isinstance(e, rex.ResponseError):
+        return "Redis refused a command"
+    return f"Redis error ({type(e).__name__})"
 
 
 def attach_shared_tier(actors: dict, adapter, config: SharedCacheConfig) -> dict:

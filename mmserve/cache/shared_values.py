@@ -16,45 +16,57 @@ one entry of the tier.
 `SHARED_KEY_LAYOUT_VERSION` ("s1") changes whenever this layout or the meaning of a value
 changes: an old replica and a new one then simply do not see each other's entries.
 
-Values. A header, then the tensor's bytes (little-endian, C order):
+Values. A header, a tag, then the tensor's bytes (little-endian, C order):
 
     magic  b"MMSV"                 4 bytes
-    u16    value layout version    (SHARED_VALUE_LAYOUT_VERSION)
+    u16    value layout version    (SHARED_VALUE_LAYOUT_VERSION, 2)
     u8     kind                    1 = encoder output, 2 = KV block
     u8     dtype code              see DTYPE_CODES
     u8     ndim                    0..8
     u32    shape[i]                ndim times
     u64    payload bytes
-    u64    checksum                xxh3_64 (fixed seed) over every header byte before it,
-                                   the Redis key, and the payload
+    32     tag                     HMAC-SHA256 under the replicas' shared secret (`MacKey`) over
+                                   u32 len(redis key), the Redis key, every header byte before the
+                                   tag, and the payload
 
-The checksum covers the key, so a value copied under another key (or written by a replica of
-another model) is foreign: `decode` answers None. So does any value whose magic, version, kind,
-dtype or shape is not what the reader expects, whose length is wrong, or whose checksum does not
-match: a bad entry is a miss, never a wrong answer.
+The tag authenticates the value and binds it to its key: without the secret nobody can write a
+value that verifies (version 1's xxh3 checksum had a public seed, so anyone who could write to
+Redis could re-sign any tensor under any key), and a value copied under another key (another
+model's, another tenant's, another block's) is foreign. `verify` answers the tensor, None for an
+absent value, or a `Rejected` with its reason: "format" (magic, kind, dtype, shape or layout not
+what the reader expects), "version" (another layout version: an older or newer replica's), "size"
+(a length that is not the exact size of this key's value), "mac" (the tag does not verify) or
+"non_finite" (a NaN or an infinity in the payload: even a value that verifies is refused, so a
+replica that holds the secret and goes wrong cannot make another replica's requests fail). A
+rejected value is a miss, never a wrong answer. Every value of a given kind, dtype and shape has
+one exact size (`value_size`), so a reader bounds what it reads before it reads it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import xxhash
 
 from mmserve.cache.keys import CONTENT_KEY_BYTES, HASH_XXH3_128, content_key, lp_str
 
 SHARED_KEY_LAYOUT_VERSION = 1
-SHARED_VALUE_LAYOUT_VERSION = 1
-SEED_SHARED_VALUE = 0x4D4D_5345_5256_0006  # "MMSERV" + 6, 7: new kinds of digest, never change them
-SEED_SHARED_SALT = 0x4D4D_5345_5256_0007
+SHARED_VALUE_LAYOUT_VERSION = 2  # 2: an HMAC-SHA256 tag under a shared secret (1: a public-seed xxh3 checksum)
+SEED_SHARED_SALT = 0x4D4D_5345_5256_0007  # "MMSERV" + 7: never change it (it is in the salted encoder keys)
+MAC_CONTEXT = b"mmserve shared-cache value tag v2"  # the tag's key is HMAC(secret, this): one use of the secret
 
 MAGIC = b"MMSV"
 KIND_ENCODER = 1
 KIND_KV_BLOCK = 2
 KINDS = (KIND_ENCODER, KIND_KV_BLOCK)
 MAX_NDIM = 8
+TAG_BYTES = 32
+MIN_SECRET_BYTES = 16
 
 NAMESPACE = b"mmserve:s%d:" % SHARED_KEY_LAYOUT_VERSION
 _KIND_TAG = {KIND_ENCODER: b"enc:", KIND_KV_BLOCK: b"kv:"}
@@ -63,7 +75,9 @@ DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.floa
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 _FIXED = struct.Struct("<4sHBBB")  # magic, version, kind, dtype code, ndim
-_TAIL = struct.Struct("<QQ")  # payload bytes, checksum
+_NBYTES = struct.Struct("<Q")  # payload bytes (the tag follows)
+
+REJECT_REASONS = ("format", "version", "size", "mac", "non_finite")
 
 
 def shared_key(kind: int, key: bytes) -> bytes:
@@ -89,15 +103,67 @@ def block_key(block_hash: bytes) -> bytes:
     return shared_key(KIND_KV_BLOCK, block_hash)
 
 
-def _checksum(header: bytes, redis_key: bytes, payload) -> int:
-    h = xxhash.xxh3_64(seed=SEED_SHARED_VALUE)
-    h.update(header)
-    h.update(redis_key)
-    h.update(payload)
-    return h.intdigest()
+class MacKey:
+    """The key the values' tags are made with: derived from the secret every replica shares
+    (`[shared_cache] secret`). `unauthenticated()` is the key of `trust = "network"` without a
+    secret: a constant anyone can compute, so its tags only catch corruption, never forgery."""
+
+    __slots__ = ("_key", "authenticated")
+
+    def __init__(self, secret: bytes):
+        if type(secret) is not bytes or len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the shared cache's secret must be at least {MIN_SECRET_BYTES} bytes")
+        self._key = hmac.digest(secret, MAC_CONTEXT, "sha256")
+        self.authenticated = True
+
+    @classmethod
+    def unauthenticated(cls) -> MacKey:
+        key = cls(b"mmserve: no secret, the network is trusted")
+        key.authenticated = False
+        return key
+
+    def tag(self, redis_key: bytes, header, payload) -> bytes:
+        # hmac with a named digest runs OpenSSL's HMAC, which lets go of the GIL over large buffers
+        h = hmac.new(self._key, struct.pack("<I", len(redis_key)) + redis_key, "sha256")
+        h.update(header)
+        h.update(payload)
+        return h.digest()
+
+    def __repr__(self) -> str:  # never the key itself
+        return f"MacKey(authenticated={self.authenticated})"
 
 
-def encode(kind: int, redis_key: bytes, tensor: torch.Tensor) -> bytes:
+@dataclass(frozen=True)
+class Rejected:
+    """A stored value refused by `verify` (a miss), and why: one of REJECT_REASONS."""
+
+    reason: str
+
+
+def header_size(ndim: int) -> int:
+    return _FIXED.size + 4 * ndim + _NBYTES.size + TAG_BYTES
+
+
+def value_size(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """The exact size in bytes of the stored value of a tensor of `dtype` and `shape`."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return header_size(len(shape)) + numel * dtype.itemsize
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite: one sum in float32 (a NaN or an infinity anywhere makes
+    the sum non-finite; summing is ~10x faster on the CPU than isfinite over half-precision
+    elements). An honest tensor whose magnitudes sum past float32's 3.4e38 is refused too: a
+    miss, never a wrong answer (no model's activations come near)."""
+    if not t.numel():
+        return True
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(t.sum(dtype=acc)))
+
+
+def encode(kind: int, redis_key: bytes, tensor: torch.Tensor, mac: MacKey) -> bytes:
     """The stored value of `tensor` (any device; copied to host bytes) under `redis_key`."""
     if kind not in KINDS:
         raise ValueError(f"unknown shared-value kind {kind!r}")
@@ -112,43 +178,56 @@ def encode(kind: int, redis_key: bytes, tensor: torch.Tensor) -> bytes:
     payload = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     head = _FIXED.pack(MAGIC, SHARED_VALUE_LAYOUT_VERSION, kind, code, t.dim())
     head += struct.pack(f"<{t.dim()}I", *t.shape)
-    head += struct.pack("<Q", len(payload))
-    return head + struct.pack("<Q", _checksum(head, redis_key, payload)) + payload
+    head += _NBYTES.pack(len(payload))
+    return head + mac.tag(redis_key, head, payload) + payload
 
 
-def decode(kind: int, redis_key: bytes, value: bytes | bytearray | memoryview | None,
-           dtype: torch.dtype | None = None, shape: Sequence[int | None] | None = None) -> torch.Tensor | None:
-    """The tensor stored in `value` under `redis_key`, or None when the value is absent, corrupt,
-    truncated, foreign (another key, kind or layout) or not of the expected `dtype` / `shape`
-    (None entries of `shape` match any size). Never raises on any bytes."""
+def verify(kind: int, redis_key: bytes, value: bytes | bytearray | memoryview | None, mac: MacKey,
+           dtype: torch.dtype | None = None, shape: Sequence[int | None] | None = None,
+           ) -> torch.Tensor | Rejected | None:
+    """The tensor stored in `value` under `redis_key`; None when there is no value; `Rejected`
+    when it is corrupt, truncated, foreign (another key, kind, layout or secret), not of the
+    expected `dtype` / `shape` (None entries of `shape` match any size), or not finite. Never
+    raises on any bytes."""
     if value is None:
         return None
     data = memoryview(value).cast("B") if not isinstance(value, bytes) else memoryview(value)
     if len(data) < _FIXED.size:
-        return None
+        return Rejected("format")
     magic, version, got_kind, code, ndim = _FIXED.unpack_from(data, 0)
-    if magic != MAGIC or version != SHARED_VALUE_LAYOUT_VERSION or got_kind != kind or ndim > MAX_NDIM:
-        return None
+    if magic != MAGIC:
+        return Rejected("format")
+    if version != SHARED_VALUE_LAYOUT_VERSION:
+        return Rejected("version")
+    if got_kind != kind or ndim > MAX_NDIM:
+        return Rejected("format")
     got_dtype = _DTYPES.get(code)
     if got_dtype is None or (dtype is not None and got_dtype != dtype):
-        return None
-    dims_end = _FIXED.size + 4 * ndim
-    if len(data) < dims_end + _TAIL.size:
-        return None
+        return Rejected("format")
+    tag_at = _FIXED.size + 4 * ndim + _NBYTES.size
+    start = tag_at + TAG_BYTES
+    if len(data) < start:
+        return Rejected("size")
     dims = struct.unpack_from(f"<{ndim}I", data, _FIXED.size)
     if shape is not None and (len(shape) != ndim or any(w is not None and w != d for w, d in zip(shape, dims))):
-        return None
-    nbytes, checksum = _TAIL.unpack_from(data, dims_end)
+        return Rejected("format")
+    (nbytes,) = _NBYTES.unpack_from(data, tag_at - _NBYTES.size)
     numel = 1
     for d in dims:
         numel *= d
-    start = dims_end + _TAIL.size
-    itemsize = torch.empty((), dtype=got_dtype).element_size()
-    if nbytes != numel * itemsize or len(data) - start != nbytes:
-        return None
+    if nbytes != numel * got_dtype.itemsize or len(data) - start != nbytes:
+        return Rejected("size")
     payload = data[start:]
-    if _checksum(data[:dims_end + 8], redis_key, payload) != checksum:
-        return None
+    if not hmac.compare_digest(mac.tag(redis_key, data[:tag_at], payload), data[tag_at:start]):
+        return Rejected("mac")
     if not numel:
         return torch.empty(dims, dtype=got_dtype)
-    return torch.frombuffer(bytearray(payload), dtype=got_dtype).reshape(dims)
+    t = torch.frombuffer(bytearray(payload), dtype=got_dtype).reshape(dims)
+    return t if all_finite(t) else Rejected("non_finite")
+
+
+def decode(kind: int, redis_key: bytes, value: bytes | bytearray | memoryview | None, mac: MacKey,
+           dtype: torch.dtype | None = None, shape: Sequence[int | None] | None = None) -> torch.Tensor | None:
+    """`verify`'s tensor, or None for a value that is absent or rejected."""
+    got = verify(kind, redis_key, value, mac, dtype, shape)
+    return got if isinstance(got, torch.Tensor) else None

@@ -18,6 +18,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # mmserve.attention.NAMES (a te
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's names (Image.format), upper case
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SHARED_CACHE_TRUST = ("secret", "network")  # [shared_cache] trust
+MIN_SHARED_SECRET_BYTES = 16  # cache.shared_values.MIN_SECRET_BYTES (a test keeps them equal)
 TOOL_PARSERS = ("hermes",)  # [models.x] tool_parser: mmserve.generation.tool_calls has one parser each
 DEVICE = re.compile(r"(cpu|mps|cuda(:[0-9]+)?)")
 

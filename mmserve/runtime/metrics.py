@@ -145,7 +145,9 @@ _SHARED_COUNTERS = {  # stats key → (metric, help)
     "block_queries": ("shared_cache_block_queries", "KV blocks asked of the shared tier."),
     "block_hits": ("shared_cache_block_hits", "KV blocks found in the shared tier (a chain from the first)."),
     "late": ("shared_cache_late_lookups", "Shared-tier look-ups answered after their deadline (misses)."),
-    "corrupt": ("shared_cache_rejected_values", "Stored values rejected (header, shape or checksum): misses."),
+    "corrupt": ("shared_cache_rejected_values", "Stored values refused (any reason; shared_tier_rejected by reason): misses."),
+    "deleted": ("shared_cache_deleted_values", "Refused values deleted from the shared tier (not rewritten since they were read)."),
+    "refused_writes": ("shared_cache_refused_writes", "Values never written because they were not finite."),
     "errors": ("shared_cache_errors", "Shared-tier errors (each turns the tier off for a backoff)."),
     "writes": ("shared_cache_writes", "Values written to the shared tier."),
     "dropped_full": ("shared_cache_dropped_writes", "Writes dropped because the write queue was full."),
@@ -161,6 +163,10 @@ def _shared_tier_metrics(rt, g, c):
     """The shared cache tier's counters, and `shared_cache_up` (1 on, 0 off for a backoff)."""
     up = g("mmserve:shared_cache_up", "1 while the shared cache tier is on, 0 while it is off (backing off).")
     families = {key: c(f"mmserve:{name}", doc) for key, (name, doc) in _SHARED_COUNTERS.items()}
+    rejected = c("mmserve:shared_tier_rejected", "Values read from the shared tier and refused (misses), by reason: "
+                 "mac (the tag does not verify: written without the secret), size (not the exact size of its key's "
+                 "value; a longer one is not read), non_finite (NaN or inf), format, version (another layout's).",
+                 ("model_name", "reason"))
     for name, m in rt.registry.loaded.items():
         tier = m.actors.get("shared_tier")
         if tier is None:
@@ -169,5 +175,8 @@ def _shared_tier_metrics(rt, g, c):
         up.add_metric([name], 1.0 if stats["state"] == "on" else 0.0)
         for key, family in families.items():
             family.add_metric([name], stats[key])
+        for reason, n in stats["rejected"].items():
+            rejected.add_metric([name, reason], n)
     yield up
     yield from families.values()
+    yield rejected

@@ -6,6 +6,7 @@ turns >= 2) vs one replica serving whole conversations from its local cache."""
 
 from __future__ import annotations
 
+import secrets
 import shutil
 from contextlib import asynccontextmanager
 
@@ -66,7 +67,8 @@ async def replicas(b: Bench) -> dict:
     from mmserve.bench.redis_server import RedisServer  # redis-py only where this scenario runs (not on the GPU machine)
 
     async with RedisServer(b.workdir / "redis") as redis:
-        tier, plain = b.config().replace(shared_cache={"url": redis.url}), b.config()
+        secret = secrets.token_hex(32)  # the replicas' shared secret: values in Redis are tagged with it
+        tier, plain = b.config().replace(shared_cache={"url": redis.url, "secret": secret}), b.config()
         async with _server(b, tier, "tier-a") as ta, _server(b, tier, "tier-b") as tb, \
                 _server(b, plain, "plain-a") as pa, _server(b, plain, "plain-b") as pb:
             with_tier = await _conversations(b, [ta, tb], "tier")
