@@ -10,21 +10,23 @@ from hypothesis import given, settings, strategies as st
 from mmserve.cache.shared_values import (
     KIND_ENCODER, KIND_KV_BLOCK, MAGIC, NAMESPACE, SHARED_KEY_LAYOUT_VERSION, SHARED_VALUE_LAYOUT_VERSION,
     block_key, decode, encode, encoder_key)
+from mmserve.cache.keys import encoder_cache_key
 
 KEY = bytes(range(16))
 
 
 def test_key_bytes_are_pinned():
-    assert SHARED_KEY_LAYOUT_VERSION == 1 and NAMESPACE == b"mmserve:s1:"
-    assert encoder_key(KEY) == b"mmserve:s1:enc:" + KEY
-    assert block_key(KEY) == b"mmserve:s1:kv:" + KEY
-    salted = encoder_key(KEY, "tenant-a")
-    assert salted.hex() == "6d6d73657276653a73313a656e63733a3eed20bcf61ff3a758eb5fef29655aaa"
-    assert salted.startswith(b"mmserve:s1:encs:") and len(salted) == len(b"mmserve:s1:encs:") + 16
-    assert encoder_key(KEY, "tenant-b") != salted != encoder_key(KEY)
-    assert encoder_key(KEY, "tenant-a", "sha256") != salted  # the hash choice covers this key too
+    assert SHARED_KEY_LAYOUT_VERSION == 2 and NAMESPACE == b"mmserve:s2:"
+    assert encoder_key(KEY) == b"mmserve:s2:enc:" + KEY
+    assert block_key(KEY) == b"mmserve:s2:kv:" + KEY
+    # an encoder entry is keyed by the local encoder cache's own key: mm_hash and cache_salt inside
+    salted = encoder_key(encoder_cache_key(KEY, "tenant-a"))
+    assert salted.hex() == "6d6d73657276653a73323a656e633a" "e4c804dca88be75639ff296c32f4f69f"
+    assert encoder_key(encoder_cache_key(KEY, "tenant-b")) != salted != encoder_key(encoder_cache_key(KEY, None))
     with pytest.raises(ValueError):
         block_key(KEY[:15])
+    with pytest.raises(ValueError):
+        encoder_key(KEY + b"x")
 
 
 def test_value_header_bytes_are_pinned():
@@ -34,7 +36,7 @@ def test_value_header_bytes_are_pinned():
         "4d4d5356" "0100" "02" "01" "02"     # magic, version 1, kind KV block, float32, 2 dims
         "02000000" "03000000"                # shape 2 x 3
         "1800000000000000"                   # 24 payload bytes
-        "6f3037f957b50dd9"                   # xxh3_64 over header, key and payload
+        "366e0655763418ee"                   # xxh3_64 over header, key (s2 namespace) and payload
         "00000000" "0000803f" "00000040" "00004040" "00008040" "0000a040")
     assert value[:4] == MAGIC
 
