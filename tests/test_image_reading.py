@@ -13,7 +13,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 from transformers.image_utils import load_image
 
 from mmserve.config import LimitsConfig

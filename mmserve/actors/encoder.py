@@ -47,8 +47,6 @@ class Miss:
         return [j.handle.client_request_id for j, _ in self.waiters]
 
 
-
-
 class Encoder(Actor):
     name = "encoder"
 
