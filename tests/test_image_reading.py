@@ -267,3 +267,31 @@ def test_a_transparent_palette_and_its_opaque_twin_have_two_keys(adapters):
     assert k_t != k_opaque
     composited = processor_rgb(Image.open(io.BytesIO(with_t)))
     assert adapter.image_key(open_image(_file(composited, "PNG"), LIMITS, "image")) == k_t
+
+
+# -- the issue's example, end to end -------------------------------------------------------------
+
+
+async def test_a_red_circle_on_a_transparent_background_has_a_white_background(demo_config):
+    """issue 42: the demo model answered "black" (the colour under the transparent pixels); read
+    as transformers' processor reads the file, the background is white — as for the same circle
+    drawn on white."""
+    from mmserve import Runtime
+    from mmserve.models.demo import Q_BACKGROUND, Q_COLOR, render_image
+    from tests.helpers import ask
+
+    on_white = render_image("red", "circle", background="white", seed=3)
+    on_black = np.asarray(render_image("red", "circle", background="black", seed=3))
+    circle = np.abs(np.asarray(on_white).astype(int) - on_black).sum(-1) < 30  # where the renders agree
+    alpha = np.where(circle, 255, 0).astype(np.uint8)
+    transparent = Image.fromarray(np.dstack([on_black, alpha]), "RGBA")  # black under the transparency
+    config = demo_config.replace(models=demo_config.models[:1], kv_cache={"prefix_caching": False})
+    async with Runtime.open(config) as rt:
+        async def reply(img, question):
+            return (await rt.chat_completion(ask(img, question), temperature=0, max_tokens=4)).text.strip()
+
+        assert await reply(transparent, Q_BACKGROUND) == "white"
+        assert await reply(transparent, Q_COLOR) == "red"
+        assert await reply(Image.fromarray(on_black), Q_BACKGROUND) == "black"  # its opaque twin
+        stats = rt.registry.require("demo").encoder.stats()
+    assert (stats["misses"], stats["hits"]) == (2, 1)  # the twin is another picture: another key
