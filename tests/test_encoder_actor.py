@@ -8,7 +8,7 @@ import trio
 
 from mmserve import Runtime
 from mmserve.actors.intake import decode_images
-from mmserve.cache.keys import image_identity
+from mmserve.cache.keys import encoder_cache_key, image_identity
 from mmserve.models.demo import render_image
 from mmserve.models.llava import LlavaAdapter
 from mmserve.inputs.request import parse_chat_request
@@ -144,3 +144,43 @@ def test_identity_png_equals_lossless_webp_and_differs_otherwise(tiny_model_dir,
     other_adapter = LlavaAdapter("tiny", changed)
     assert other_adapter.processor_digest != adapter.processor_digest
     assert _keys(other_adapter, body, limits)[0] != png
+
+
+async def test_the_cache_salt_covers_the_encoder_cache(tiny_config):
+    """Tenant B's request for an image tenant A sent is an encoder-cache miss (no timing needed:
+    the counters say it); A's repeat and B's repeat each hit their own entry, and a request
+    without a salt has its own namespace. Prefix caching off, so every request asks the encoder."""
+    img = render_image("red", "circle", seed=40)
+    config = tiny_config.replace(kv_cache={"prefix_caching": False})
+    async with Runtime.open(config) as rt:
+        enc = encoder(rt)
+
+        async def counts_after(salt):
+            await answer(rt, ask(img), **({} if salt is None else {"cache_salt": salt}))
+            s = enc.stats()
+            return s["hits"], s["misses"], s["encoder_runs"]
+
+        assert await counts_after("tenant-a") == (0, 1, 1)
+        assert await counts_after("tenant-b") == (0, 2, 2)  # A's image, B's salt: a miss, encoded
+        assert await counts_after("tenant-a") == (1, 2, 2)  # A's repeat hits A's entry
+        assert await counts_after("tenant-b") == (2, 2, 2)  # B's repeat hits B's entry
+        assert await counts_after(None) == (2, 3, 3)  # no salt: a namespace of its own
+        assert await counts_after(None) == (3, 3, 3)
+        mm_hash = enc.adapter.image_key(img.convert("RGB"))
+        expected = {encoder_cache_key(mm_hash, salt, algorithm=enc.adapter.hash_algorithm)
+                    for salt in ("tenant-a", "tenant-b", None)}
+        assert set(enc.cache.keys()) == expected and mm_hash not in expected
+
+
+async def test_two_tenants_missing_one_image_in_one_batch_are_two_items(tiny_config):
+    """In-flight dedup is per encoder key: one tenant's concurrent requests share one encoding,
+    two tenants' never do (each is encoded — in the same forward when they arrive together — and
+    stored under its own key). Whatever the arrival order, 2 items, never 1 or 3."""
+    img = render_image("blue", "circle", seed=41)
+    config = tiny_config.replace(kv_cache={"prefix_caching": False}, encoder_cache={"batch_wait_ms": 300.0})
+    async with Runtime.open(config) as rt:
+        async with trio.open_nursery() as n:
+            for salt in ("tenant-a", "tenant-a", "tenant-b"):
+                n.start_soon(lambda s=salt: answer(rt, ask(img), cache_salt=s))
+        stats = encoder(rt).stats()
+    assert (stats["items_encoded"], stats["entries"]) == (2, 2)

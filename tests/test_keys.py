@@ -11,6 +11,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+import xxhash
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -237,6 +238,43 @@ def test_audio_header_and_hash_are_pinned():
     header = K.audio_header(1, 2, samples, 16000)
     assert header == struct.pack("<HBQQI", 1, 2, 1, 2, 16000) + lp("<f4") + struct.pack("<II", 1, 3)
     assert mm_hash_audio(1, 2, samples, 16000).hex() == "8a58fa4be386ed2107553a47b39725c3"
+
+
+# -- encoder-output key (mm_hash + cache_salt) ---------------------------------------------------
+
+MM = bytes(range(16))
+
+
+def test_encoder_key_layout_and_digests_are_pinned():
+    assert K.ENCODER_KEY_LAYOUT_VERSION == 2  # 1 was the bare mm_hash, shared by every tenant
+    assert K.encoder_key_layout(MM, None) == struct.pack("<H", 2) + MM + b"\x00" + lp("")
+    assert K.encoder_key_layout(MM, "tenant-a") == struct.pack("<H", 2) + MM + b"\x01" + lp("tenant-a")
+    assert K.encoder_key_layout(MM, "tenant-a").hex() == (
+        "0200" "000102030405060708090a0b0c0d0e0f" "01" "08000000" "74656e616e742d61")
+    assert K.encoder_cache_key(MM, None).hex() == "93881db54b1ed8b5328cba6b3c1ce572"
+    assert K.encoder_cache_key(MM, "tenant-a").hex() == "e4c804dca88be75639ff296c32f4f69f"
+    assert K.encoder_cache_key(MM, "tenant-a") == xxhash.xxh3_128_digest(
+        K.encoder_key_layout(MM, "tenant-a"), seed=K.SEED_ENCODER_KEY)
+    sha = K.encoder_cache_key(MM, "tenant-a", algorithm="sha256")
+    assert sha.hex() == "e23b20356524db2af69a7eb79ff26c58"
+    assert sha == _sha256_key(K.SEED_ENCODER_KEY, K.encoder_key_layout(MM, "tenant-a"))
+
+
+@pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
+def test_encoder_key_separates_tenants_and_content(algorithm):
+    """No salt is a namespace of its own (distinct from every salt, the empty one included); any
+    other salt, or another item, gives another key; the same (item, salt) always the same key."""
+    other = bytes(range(1, 17))
+    keys = [K.encoder_cache_key(m, salt, algorithm=algorithm)
+            for m in (MM, other) for salt in (None, "", "a", "b", "tenant-a")]
+    assert len(set(keys)) == len(keys) and all(len(k) == 16 for k in keys)
+    assert MM not in keys  # never the bare mm_hash: a layout-1 entry can never be read as one
+    assert K.encoder_cache_key(MM, "a", algorithm=algorithm) == K.encoder_cache_key(bytes(MM), "a", algorithm=algorithm)
+    for bad in (MM[:15], bytearray(MM), None):
+        with pytest.raises(ValueError):
+            K.encoder_cache_key(bad, "a", algorithm=algorithm)
+    with pytest.raises(TypeError):
+        K.encoder_cache_key(MM, 5, algorithm=algorithm)
 
 
 # -- sha256 content keys (vLLM CVE-2025-25183) ---------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from mmserve import Runtime
+from mmserve.cache.shared_values import NAMESPACE
 from mmserve.config import ModelConfig
 from mmserve.models.demo import Q_BACKGROUND, Q_SHAPE, render_image
 from tests.helpers import ask
@@ -132,7 +133,7 @@ async def test_corrupt_values_are_misses(demo_config, redis_server, redis_url):
         expected = [a for a, _ in await run_conversation([off])]
     async with Runtime.open(tier_config(demo_config, redis_url)) as a:
         await run_conversation([a])
-    keys = sorted(client.keys(b"mmserve:s1:*"))
+    keys = sorted(client.keys(NAMESPACE + b"*"))
     assert any(b":kv:" in k for k in keys) and any(b":enc:" in k for k in keys)
     values = {k: client.get(k) for k in keys}
     for i, k in enumerate(keys):  # garbage, truncated, a flipped byte, another key's value
@@ -420,11 +421,9 @@ async def test_tenants_missing_one_image_together_write_one_entry_each(demo_conf
                 n.start_soon(lambda s=salt: answer(a, ask(img, Q_SHAPE), cache_salt=s))
         await settle(a)
         enc = a.registry.require("demo").encoder
-        assert enc.stats()["items_encoded"] == 1  # one forward for both tenants: the same output
-        (mm_hash,) = enc.cache.keys()
-        algorithm = enc.adapter.hash_algorithm
-    key_a, key_b = (encoder_key(mm_hash, salt, algorithm) for salt in ("tenant-a", "tenant-b"))
-    stored = set(client.keys(b"mmserve:s1:enc*"))
+        assert enc.stats()["items_encoded"] == 2  # one item per tenant (never one output for both)
+        key_a, key_b = (encoder_key(k) for k in _encoder_keys(enc, img, ("tenant-a", "tenant-b")))
+    stored = set(client.keys(NAMESPACE + b"enc:*"))
     assert stored == {key_a, key_b}  # one entry per tenant, each under its own salt
     values = {k: client.get(k) for k in (key_a, key_b)}
     other_prompt = [{"role": "system", "content": "Answer in one word."}, *ask(img, Q_BACKGROUND)]  # no KV hit
@@ -465,8 +464,50 @@ async def test_a_tenant_in_a_batch_with_another_reads_only_its_own_entry(demo_co
         await settle(fresh)
         enc = fresh.registry.require("demo").encoder
         stats = enc.stats()
-        (mm_hash,) = enc.cache.keys()
-        algorithm = enc.adapter.hash_algorithm
+        local = _encoder_keys(enc, img, ("tenant-a", "tenant-b"))
+        assert set(enc.cache.keys()) == set(local)  # the tier hit cached here under its tenant's key
     assert (stats["shared_hits"], stats["encoder_runs"], stats["items_encoded"]) == (1, 1, 1), stats
-    keys = set(redis_server.client().keys(b"mmserve:s1:enc*"))
-    assert keys == {encoder_key(mm_hash, s, algorithm) for s in ("tenant-a", "tenant-b")}
+    keys = set(redis_server.client().keys(NAMESPACE + b"enc:*"))
+    assert keys == {encoder_key(k) for k in local}
+
+
+def _encoder_keys(enc, img, salts) -> list[bytes]:
+    """The encoder keys of `img` for each of `salts` under the encoder's model."""
+    from mmserve.cache.keys import encoder_cache_key
+
+    mm_hash = enc.adapter.image_key(img.convert("RGB"))
+    return [encoder_cache_key(mm_hash, s, algorithm=enc.adapter.hash_algorithm) for s in salts]
+
+
+async def test_the_cache_salt_covers_the_encoder_cache_through_the_tier(demo_config, redis_server, redis_url):
+    """Timing-free, through Redis: on a fresh replica, tenant B's request for an image (B's entry
+    in Redis) is a tier hit, cached locally under B's key only — so a request without a salt is
+    then a miss everywhere (encoded), A's request reads A's own entry, and B's repeat hits locally.
+    A replica where B asks for A's image with only A's entry in Redis encodes it."""
+    config = tier_config(demo_config, redis_url).replace(kv_cache={"prefix_caching": False})  # encoder only
+    img = render_image("blue", "triangle", background="white", seed=9)
+    msgs = ask(img, Q_SHAPE)
+
+    def counts(rt):
+        s = rt.registry.require("demo").encoder.stats()
+        return s["hits"], s["misses"], s["shared_hits"], s["encoder_runs"]
+
+    async with Runtime.open(config) as first:
+        assert (await answer(first, msgs, cache_salt="tenant-a"))[0] == "triangle"
+        await settle(first)
+        assert counts(first) == (0, 1, 0, 1)
+        await answer(first, msgs, cache_salt="tenant-b")  # A's image, B's salt: a miss, here and in Redis
+        await settle(first)
+        assert counts(first) == (0, 2, 0, 2)
+    async with Runtime.open(config) as fresh:
+        await answer(fresh, msgs, cache_salt="tenant-b")
+        assert counts(fresh) == (0, 1, 1, 0)  # B's own entry, from Redis
+        await answer(fresh, msgs)  # no salt: B's entry (now also local) is not its own
+        assert counts(fresh) == (0, 2, 1, 1)
+        await answer(fresh, msgs, cache_salt="tenant-a")
+        assert counts(fresh) == (0, 3, 2, 1)  # A's own entry, from Redis
+        await answer(fresh, msgs, cache_salt="tenant-a")
+        await answer(fresh, msgs, cache_salt="tenant-b")
+        assert counts(fresh) == (2, 3, 2, 1)  # each tenant's repeat hits its own local entry
+        enc = fresh.registry.require("demo").encoder
+        assert set(enc.cache.keys()) == set(_encoder_keys(enc, img, ("tenant-a", "tenant-b", None)))

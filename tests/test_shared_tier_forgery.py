@@ -74,8 +74,8 @@ async def encoder_entries(rt, images, salt=None) -> dict:
     for i, img in enumerate(images):
         before = set(enc.cache.keys())
         await answer(rt, ask(img, Q_SHAPE), cache_salt=salt)
-        (mm_hash,) = set(enc.cache.keys()) - before
-        out[i] = (encoder_key(mm_hash, salt, enc.adapter.hash_algorithm), enc.cache.get(mm_hash))
+        (cache_key,) = set(enc.cache.keys()) - before  # the encoder key: mm_hash and this salt
+        out[i] = (encoder_key(cache_key), enc.cache.get(cache_key))
     await settle(rt)
     return out
 

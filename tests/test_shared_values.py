@@ -15,6 +15,7 @@ from mmserve.cache.shared_values import (
     KIND_ENCODER, KIND_KV_BLOCK, MAC_CONTEXT, MAGIC, MIN_SECRET_BYTES, NAMESPACE, SHARED_KEY_LAYOUT_VERSION,
     SHARED_VALUE_LAYOUT_VERSION, MacKey, Rejected, block_key, encoder_key, value_size, verify)
 from mmserve.config.checks import MIN_SHARED_SECRET_BYTES
+from mmserve.cache.keys import encoder_cache_key
 
 KEY = bytes(range(16))
 SECRET = b"0123456789abcdef-test-secret"
@@ -30,16 +31,17 @@ def decode(kind, key, value, dtype=None, shape=None, mac=MAC):
 
 
 def test_key_bytes_are_pinned():
-    assert SHARED_KEY_LAYOUT_VERSION == 1 and NAMESPACE == b"mmserve:s1:"
-    assert encoder_key(KEY) == b"mmserve:s1:enc:" + KEY
-    assert block_key(KEY) == b"mmserve:s1:kv:" + KEY
-    salted = encoder_key(KEY, "tenant-a")
-    assert salted.hex() == "6d6d73657276653a73313a656e63733a3eed20bcf61ff3a758eb5fef29655aaa"
-    assert salted.startswith(b"mmserve:s1:encs:") and len(salted) == len(b"mmserve:s1:encs:") + 16
-    assert encoder_key(KEY, "tenant-b") != salted != encoder_key(KEY)
-    assert encoder_key(KEY, "tenant-a", "sha256") != salted  # the hash choice covers this key too
+    assert SHARED_KEY_LAYOUT_VERSION == 2 and NAMESPACE == b"mmserve:s2:"
+    assert encoder_key(KEY) == b"mmserve:s2:enc:" + KEY
+    assert block_key(KEY) == b"mmserve:s2:kv:" + KEY
+    # an encoder entry is keyed by the local encoder cache's own key: mm_hash and cache_salt inside
+    salted = encoder_key(encoder_cache_key(KEY, "tenant-a"))
+    assert salted.hex() == "6d6d73657276653a73323a656e633a" "e4c804dca88be75639ff296c32f4f69f"
+    assert encoder_key(encoder_cache_key(KEY, "tenant-b")) != salted != encoder_key(encoder_cache_key(KEY, None))
     with pytest.raises(ValueError):
         block_key(KEY[:15])
+    with pytest.raises(ValueError):
+        encoder_key(KEY + b"x")
 
 
 def test_value_header_bytes_are_pinned():
@@ -48,7 +50,7 @@ def test_value_header_bytes_are_pinned():
     value = encode(KIND_KV_BLOCK, block_key(KEY), t)
     header = bytes.fromhex("4d4d5356" "0200" "02" "01" "02" "02000000" "03000000" "1800000000000000")
     payload = bytes.fromhex("00000000" "0000803f" "00000040" "00004040" "00008040" "0000a040")
-    tag = bytes.fromhex("b2aaa6d9a23c180eeb06ab91b9aa1f850b4ec85ec08d78871b3ba49722f279cc")
+    tag = bytes.fromhex("2edbea8359dd67e233726ab559c3fc921427fb7d92eeac3ee9715279976e646e")
     assert value == header + tag + payload  # magic, version 2, KV block, float32, 2 dims, 2 x 3, 24 bytes
     # the tag is HMAC-SHA256 under HMAC-SHA256(secret, MAC_CONTEXT), over len(key), key, header, payload
     mac_key = hmac.new(SECRET, MAC_CONTEXT, hashlib.sha256).digest()

@@ -1,12 +1,14 @@
 """Encoder actor: one encoder output per image, from the encoder-output cache or the vision tower.
 
-It owns its model's `EncoderCache`. Jobs that arrive together (within `batch_wait_ms`) are looked
-up together; their misses are encoded in one batched forward, and an item missing for several
-requests at once is encoded once and shared (in-flight dedup), across tenants too; in the shared
-tier each tenant (`cache_salt`) still reads and writes its own entry only. Entries a job uses are
-pinned from look-up until the job is handed to the generator, so an insertion for another request
-in the same batch can never evict them. Uncacheable items (no content key) are encoded fresh and
-never stored.
+It owns its model's `EncoderCache`, keyed by each item's encoder key: its `mm_hash` and the
+request's `cache_salt` (`keys.encoder_cache_key`), so a tenant never hits — and never times —
+another tenant's entry, here or in the shared tier, which stores under the same key. Jobs that
+arrive together (within `batch_wait_ms`) are looked up together; their misses are encoded in one
+batched forward, and an item missing for several requests of one tenant at once is encoded once
+and shared (in-flight dedup, by encoder key: never across tenants). Entries a job uses are pinned
+from look-up until the job is handed to the generator, so an insertion for another request in the
+same batch can never evict them. Uncacheable items (no content key) are encoded fresh and never
+stored.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import trio
 from mmserve.actors.base import Actor
 from mmserve.actors.messages import ClearCache, EncodeJob, GenerateJob, Release
 from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
-from mmserve.cache.keys import key_prefix
+from mmserve.cache.keys import encoder_cache_key, key_prefix
 from mmserve.cache.shared_values import KIND_ENCODER, encoder_key
 from mmserve.errors import MMServeError
 from mmserve.models.adapter import Adapter, PromptInputs
@@ -30,7 +32,8 @@ from mmserve.actors.faults import fault
 
 @dataclass
 class Miss:
-    """One item to encode, and every (job, image index) waiting for it."""
+    """One item to encode, and every (job, image index) waiting for it: all of one tenant, as the
+    key (the encoder key, salt inside) says."""
 
     key: bytes | None
     prompt: PromptInputs  # the first waiter's: pixels are computed from it only now, for the tower
@@ -42,21 +45,6 @@ class Miss:
     def labels(self) -> list[str | None]:
         """The client request ids of the waiters (fault hooks key on them)."""
         return [j.handle.client_request_id for j, _ in self.waiters]
-
-    @property
-    def salts(self) -> list[str | None]:
-        """The waiters' distinct `cache_salt`s (tenants), in order: each has its own tier entry."""
-        return list(dict.fromkeys(_salt(j) for j, _ in self.waiters))
-
-    def drop_waiters(self, salt: str | None) -> None:
-        """`salt`'s waiters are served: the item is computed for the others (from their prompt)."""
-        self.waiters = [(j, i) for j, i in self.waiters if _salt(j) != salt]
-        if self.waiters:
-            self.prompt, self.index = self.waiters[0][0].prompt, self.waiters[0][1]
-
-
-def _salt(job: EncodeJob) -> str | None:
-    return job.handle.request.cache_salt
 
 
 class Encoder(Actor):
@@ -120,12 +108,14 @@ class Encoder(Actor):
         else:
             raise TypeError(f"encoder: unexpected message {msg!r}")
 
-    @staticmethod
-    def _wanted(job: EncodeJob) -> list[tuple[int, bytes | None]]:
-        """(index, content key) of each image the job needs: those its cached prefix does not
-        cover whole (a covered image's KV is in the hit; its encoder output is never needed)."""
+    def _wanted(self, job: EncodeJob) -> list[tuple[int, bytes | None]]:
+        """(index, encoder key) of each image the job needs: those its cached prefix does not
+        cover whole (a covered image's KV is in the hit; its encoder output is never needed). The
+        key is the only one this actor looks up or stores by; None: uncacheable."""
         keys = job.prompt.mm_keys or (None,) * len(job.prompt.spans)
-        return [(i, key) for i, (span, key) in enumerate(zip(job.prompt.spans, keys))
+        salt = job.handle.request.cache_salt
+        return [(i, None if key is None else encoder_cache_key(key, salt, algorithm=self.adapter.hash_algorithm))
+                for i, (span, key) in enumerate(zip(job.prompt.spans, keys))
                 if not job.prefix.covers(span.start, span.length)]
 
     def _uncached(self, jobs: list[EncodeJob]) -> bool:
@@ -177,13 +167,10 @@ class Encoder(Actor):
             rid = j.handle.request_id
             for i, key in self._wanted(j):
                 if key is not None and key in misses:  # the same new item twice in this batch
-                    # Encoded once for all its waiters, tenants (cache_salts) included: the output
-                    # depends on the image alone, and no stored entry is shared (each tenant's tier
-                    # entry is read and written under its own salt: _shared_look_up, _encode). All
-                    # a tenant could time from the merge — that another sends this image in the
-                    # same batch window — the local encoder cache (mm_hash, no salt, shared by the
-                    # tenants) tells it anyway, for as long as the entry stays; should that cache
-                    # ever be salted, this merge must be keyed per salt too.
+                    # Encoded once for all its waiters: one tenant's only, as the key holds the
+                    # salt. Two tenants sending one image in one batch window are two items, so
+                    # neither learns from the merge (nor shares the other's failure) that the
+                    # other sent it.
                     misses[key].waiters.append((j, i))
                     continue
                 cached = self.cache.get(key) if (self.cache is not None and key is not None) else None
@@ -210,40 +197,35 @@ class Encoder(Actor):
                     found[id(j), i] = out
                 self._store(miss, out)
                 if self.shared is not None and miss.key is not None:  # written in the background
-                    for salt in miss.salts:  # one entry per tenant, never one for several
-                        self.shared.put_soon(KIND_ENCODER, self._shared_key(miss, salt), out)
-
-    def _shared_key(self, miss: Miss, salt: str | None) -> bytes:
-        """The tier's key of a miss for one tenant: its mm_hash, salted with that tenant's cache_salt."""
-        return encoder_key(miss.key, salt, self.adapter.hash_algorithm)
+                    self.shared.put_soon(KIND_ENCODER, encoder_key(miss.key), out)
 
     async def _shared_look_up(self, misses: list[Miss], found: dict) -> list[Miss]:
         """The local misses asked of the shared tier (one round trip, within its deadline), each
-        for every tenant waiting for it under that tenant's own key: what the tier holds — of the
-        dtype and shape this model's encoder makes — serves that tenant's waiters only, and is
-        cached here. Returns the misses left to encode (with the waiters still unserved)."""
-        asked = [(m, salt) for m in misses if m.key is not None for salt in m.salts]
+        under its encoder key — the tenant's own, as here: what the tier holds — of the dtype and
+        shape this model's encoder makes — serves the miss's waiters and is cached here under that
+        same key. Returns the misses left to encode."""
+        asked = [m for m in misses if m.key is not None]
         if not asked:
             return misses
         hidden = self.adapter.encoder_width
-        shapes = [(m.prompt.spans[m.index].length, hidden) for m, _ in asked]
-        tensors = await self.shared.get_many(KIND_ENCODER, [self._shared_key(m, salt) for m, salt in asked],
+        shapes = [(m.prompt.spans[m.index].length, hidden) for m in asked]
+        tensors = await self.shared.get_many(KIND_ENCODER, [encoder_key(m.key) for m in asked],
                                              self.adapter.dtype, shapes)
         self.shared.counts["encoder_queries"] += len(asked)
-        for (miss, salt), t in zip(asked, tensors):
+        served = set()
+        for miss, t in zip(asked, tensors):
             if t is None:
                 continue
             t = t.to(self.adapter.device)
             self.shared.counts["encoder_hits"] += 1
             self.shared_hits += 1
-            waiters = [(j, i) for j, i in miss.waiters if _salt(j) == salt]
-            for j, i in waiters:
+            for j, i in miss.waiters:
                 found[id(j), i] = t
-            self.log.info("encoder_cache.shared_hit", request_id=waiters[0][0].handle.request_id,
+            self.log.info("encoder_cache.shared_hit", request_id=miss.waiters[0][0].handle.request_id,
                           key=key_prefix(miss.key), bytes=tensor_nbytes(t))
             self._store(miss, t)
-            miss.drop_waiters(salt)
-        return [m for m in misses if m.waiters]
+            served.add(id(miss))
+        return [m for m in misses if id(m) not in served]
 
     async def _add_pixels(self, misses: list[Miss], failed: dict) -> list[Miss]:
         """Each miss with its pixel tensor; the image processor runs in a worker thread, off the

@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack
 from typing import AsyncContextManager, Callable
 
 import trio
+from PIL import Image
 
 from mmserve.actors.base import Actor
 from mmserve.actors.messages import (
@@ -25,7 +26,7 @@ from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip, i
 from mmserve.inputs.image_budget import check_image_size
 from mmserve.models.adapter import Adapter, PromptInputs
 from mmserve.config import KVCacheConfig, LimitsConfig
-from mmserve.inputs.images import data_url_bytes, open_image
+from mmserve.inputs.images import data_url_bytes, open_image, processor_rgb
 from mmserve.inputs.remote_images import fetch_images, is_remote_url
 from mmserve.inputs.request import ChatRequest, ImagePart, RawPrompt, TextPart
 from mmserve.inputs.tools import hf_tool_calls
@@ -97,10 +98,12 @@ def decode_images(request: ChatRequest, limits: LimitsConfig, fetched: dict | No
 
 
 def _embedded_image(image, where: str):
-    convert = getattr(image, "convert", None)
-    if convert is None:
+    if not isinstance(image, Image.Image):
         raise UnprocessableImage(f"{where}: expected a PIL image, got {type(image).__name__}", param=where)
-    return image if image.mode == "RGB" else convert("RGB")
+    try:
+        return processor_rgb(image)  # read as a decoded file is (mmserve.inputs.images)
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise UnprocessableImage(f"{where}: image could not be read as RGB ({e})", param=where) from None
 
 
 def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: LimitsConfig,

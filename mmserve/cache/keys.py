@@ -31,6 +31,9 @@ import xxhash
 PROCESSOR_DIGEST_LAYOUT_VERSION = 1
 MM_HASH_LAYOUT_VERSION = 1
 MM_HASH_GRID_LAYOUT_VERSION = 2  # v1 + the processor's (t, h, w) patch grid (dynamic-resolution models)
+# The encoder-output cache's key (local cache and shared tier). Version 1 was the bare mm_hash,
+# one entry for every tenant; version 2 folds in the request's cache_salt (`encoder_cache_key`).
+ENCODER_KEY_LAYOUT_VERSION = 2
 
 MODALITY_IMAGE = 1
 MODALITY_AUDIO = 2
@@ -42,6 +45,7 @@ SEED_PROCESSOR = 0x4D4D_5345_5256_0002
 SEED_MM_HASH = 0x4D4D_5345_5256_0003
 SEED_BLOCK_HASH = 0x4D4D_5345_5256_0004
 SEED_WEIGHT_CONTENT = 0x4D4D_5345_5256_0005
+SEED_ENCODER_KEY = 0x4D4D_5345_5256_0008  # 6 and 7 are the shared tier's (cache/shared_values.py)
 
 # Hash algorithms of the tenant-controlled content keys. Kept equal to
 # mmserve.config.HASH_ALGORITHMS (cache/ does not import config; a test checks they agree).
@@ -284,6 +288,34 @@ def mm_hash_audio(
     check_hash_algorithm(algorithm)
     arr = _hashable_array(samples, "samples")
     return _mm_digest(audio_header(model_sig, processor_digest, arr, sample_rate), arr, algorithm)
+
+
+# -- encoder-output key ---------------------------------------------------------------------------
+
+
+def encoder_key_layout(mm_hash: bytes, cache_salt: str | None) -> bytes:
+    """The bytes an encoder output's key covers (layout version 2):
+    u16 version | mm_hash (16 bytes) | u8 has_salt | salt (u32 len + utf-8; empty when None).
+
+    `has_salt` keeps "no salt" a namespace of its own, distinct from every salt (the empty one
+    included), as the block hashes' root does (`block_hash.root_layout`)."""
+    if type(mm_hash) is not bytes or len(mm_hash) != CONTENT_KEY_BYTES:
+        raise ValueError(f"an encoder key wraps a {CONTENT_KEY_BYTES}-byte mm_hash, got {mm_hash!r}")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    salt = "" if cache_salt is None else cache_salt
+    return u16(ENCODER_KEY_LAYOUT_VERSION) + mm_hash + u8(int(cache_salt is not None)) + lp_str(salt)
+
+
+def encoder_cache_key(mm_hash: bytes, cache_salt: str | None, *, algorithm: str = HASH_XXH3_128) -> bytes:
+    """The 16-byte key of an item's encoder output for one tenant: `algorithm` over
+    `encoder_key_layout`. The local encoder cache and the shared tier both store under it, so a
+    request with another `cache_salt` (or none) never finds, and never times, another tenant's entry.
+
+    The salt stays out of the mm_hash itself: the mm_hash names the content and also feeds the
+    block hashes' extra keys, whose chain already starts from a salted root; salting it again would
+    change every block hash of unsalted requests and buy nothing."""
+    return content_key(encoder_key_layout(mm_hash, cache_salt), SEED_ENCODER_KEY, algorithm)
 
 
 def image_identity(

@@ -1,19 +1,16 @@
 """Keys and values of the shared cache tier (Redis): byte layouts only, pure and synchronous.
 
 Keys. The tier stores what the two local caches store, under the keys they already use: an
-encoder output under its item's `mm_hash`, a full KV block under its block hash. Both keys already
-hold the model signature (the model's name, config and weight files, dtype and device type) and a
-block hash also the request's `cache_salt` (its chain root), so a tenant with another salt, or a
+encoder output under its encoder key (`keys.encoder_cache_key`: the item's `mm_hash` and the
+request's `cache_salt`), a full KV block under its block hash. Both keys hold the model signature
+(the model's name, config and weight files, dtype and device type) and the request's `cache_salt`
+(the encoder key directly, a block hash through its chain root), so a tenant with another salt, or a
 replica with another checkpoint under the same name, computes other keys and never reads these
 entries. The Redis key is a versioned namespace then the raw 16 key bytes:
 
-    b"mmserve:s1:enc:" + mm_hash        b"mmserve:s1:kv:" + block_hash
-    b"mmserve:s1:encs:" + content_key(b"mmserve:s1:enc:" + mm_hash + lp_str(cache_salt))
+    b"mmserve:s2:enc:" + encoder key        b"mmserve:s2:kv:" + block_hash
 
-An encoder output's local key has no salt (the local encoder cache is shared by a replica's
-tenants); in the tier a request with a `cache_salt` uses the salted key, so tenants never share
-one entry of the tier.
-`SHARED_KEY_LAYOUT_VERSION` ("s1") changes whenever this layout or the meaning of a value
+`SHARED_KEY_LAYOUT_VERSION` ("s2") changes whenever this layout or the meaning of a value
 changes: an old replica and a new one then simply do not see each other's entries.
 
 Values. A header, a tag, then the tensor's bytes (little-endian, C order):
@@ -53,11 +50,11 @@ from typing import Sequence
 
 import torch
 
-from mmserve.cache.keys import CONTENT_KEY_BYTES, HASH_XXH3_128, content_key, lp_str
+from mmserve.cache.keys import CONTENT_KEY_BYTES
 
-SHARED_KEY_LAYOUT_VERSION = 1
+SHARED_KEY_LAYOUT_VERSION = 2  # 2: an encoder entry is keyed by its salted encoder key, not its mm_hash
 SHARED_VALUE_LAYOUT_VERSION = 2  # 2: an HMAC-SHA256 tag under a shared secret (1: a public-seed xxh3 checksum)
-SEED_SHARED_SALT = 0x4D4D_5345_5256_0007  # "MMSERV" + 7: never change it (it is in the salted encoder keys)
+# ("MMSERV" + 6 seeded layout 1's value checksums and "MMSERV" + 7 its salted encoder keys: retired, never reuse)
 MAC_CONTEXT = b"mmserve shared-cache value tag v2"  # the tag's key is HMAC(secret, this): one use of the secret
 
 MAGIC = b"MMSV"
@@ -89,14 +86,10 @@ def shared_key(kind: int, key: bytes) -> bytes:
     return NAMESPACE + _KIND_TAG[kind] + key
 
 
-def encoder_key(mm_hash: bytes, cache_salt: str | None = None, algorithm: str = HASH_XXH3_128) -> bytes:
-    """An encoder output's Redis key. `mm_hash` names the content under one model; a request's
-    `cache_salt` (when it has one) is folded in too, so tenants never share entries of the tier:
-    `enc:` + mm_hash without a salt, `encs:` + content_key(mm_hash, salt) with one."""
-    if cache_salt is None:
-        return shared_key(KIND_ENCODER, mm_hash)
-    salted = content_key(shared_key(KIND_ENCODER, mm_hash) + lp_str(cache_salt), SEED_SHARED_SALT, algorithm)
-    return NAMESPACE + b"encs:" + salted
+def encoder_key(encoder_cache_key: bytes) -> bytes:
+    """An encoder output's Redis key: the namespace, then the local encoder cache's own key
+    (`keys.encoder_cache_key(mm_hash, cache_salt)`), so a tenant reads and writes its own entry only."""
+    return shared_key(KIND_ENCODER, encoder_cache_key)
 
 
 def block_key(block_hash: bytes) -> bytes:

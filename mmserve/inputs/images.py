@@ -4,6 +4,9 @@ Refuses what could hurt the server before paying for it: oversized payloads, for
 allowed, decompression bombs and extreme strips — the pixel count and the aspect ratio are checked
 from the header before decoding. (What the model's image processor would make of the image is
 checked by `mmserve.inputs.image_budget.check_image_size`.)
+
+Every image, decoded here or handed in as a PIL image, is then read as the families' image
+processors read it (`processor_rgb`), and its content key is computed over exactly those pixels.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import io
 import re
 import warnings
 
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from mmserve.errors import PayloadTooLarge, UnprocessableImage
 from mmserve.config import LimitsConfig
@@ -57,7 +60,7 @@ def open_image(data: bytes, limits: LimitsConfig, where: str) -> Image.Image:
                     f"{where}: image is {w}x{h} = {w * h} pixels, above the {limits.max_image_pixels} "
                     "pixel limit", param=where, code="image_too_large")
             img.load()
-            return img if img.mode == "RGB" else img.convert("RGB")
+            return processor_rgb(img)
     except UnprocessableImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -66,3 +69,31 @@ def open_image(data: bytes, limits: LimitsConfig, where: str) -> Image.Image:
         raise UnprocessableImage(f"{where}: data is not a decodable image", param=where) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise UnprocessableImage(f"{where}: image could not be decoded ({e})", param=where) from None
+
+
+_WHITE = (255, 255, 255, 255)
+
+
+def processor_rgb(img: Image.Image) -> Image.Image:
+    """The image as the model's image processor reads it: upright, RGB, transparency on white.
+
+    - Colours: transformers' `image_transforms.convert_to_rgb`, which every family's processor
+      applies (`do_convert_rgb = True` in each of them), step for step: an image with an alpha band
+      or a `transparency` entry (a palette's or a colour key's) is composited onto opaque white;
+      any other mode is converted by PIL ('P' through its palette, 'CMYK' and 'YCbCr' by PIL's
+      formulas, 16- and 32-bit grey ('I;16', 'I') and float ('F') clipped to 0..255, as PIL's
+      conversion does). A transparent pixel is therefore white, never the colour stored under it.
+    - Orientation: an EXIF orientation tag is applied first, as transformers' `load_image` does
+      when it reads an image file (a path, URL or base64 string; a processor handed a decoded
+      image sees it as decoded). A request carries a file, and a photo taken sideways is upright
+      in every viewer, so it is read upright here. (`load_image` then converts with a plain
+      `convert("RGB")`, which drops alpha; the processors' own conversion above is followed
+      instead, as a transparent logo reads in a viewer.)
+    Returns `img` itself when it is already an upright RGB image.
+    """
+    if img.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+        img = ImageOps.exif_transpose(img)
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        background = Image.new("RGBA", img.size, _WHITE)
+        return Image.alpha_composite(background, img.convert("RGBA")).convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
