@@ -72,11 +72,10 @@ def absolute_figures(scenarios: dict) -> list[dict]:
                 weights / bandwidth / (step_ms / 1000), "", "2 concurrency x 10")
     add(f"GPU busy while {n} decode", _get(emb, "gpu_busy", "busy"), "", "2 concurrency (CUDA kernels)")
 
-    variants = _get(scenarios, "engine_overhead", "variants") or {}
+    engine = scenarios.get("engine_overhead") or {}
     for name in ("serial", "overlap"):
-        v = variants.get(name) or {}
-        add(f"stand-in busy, {name} ({scenarios['engine_overhead'].get('stand_in_ms')} ms forward)", v.get("busy"),
-            "", "9 engine overhead")
+        v = _get(engine, "variants", name) or {}
+        add(f"stand-in busy, {name} ({engine.get('stand_in_ms')} ms forward)", v.get("busy"), "", "9 engine overhead")
 
     for r in ab.get("prefill") or []:
         add(f"prefill of {r['tokens']} tokens", r.get("ms"), "ms", f"10: {ab.get('prefill_path', 'runner')}")
