@@ -104,6 +104,12 @@ def test_window_figures_from_the_stand_ins_timestamps():
     # the generator's split over the same two steps: counters of the first call and of the one after
     assert out["generator_steps"] == 2 and out["event_loop_ms_per_step"] == pytest.approx(2.0)
     assert out["forward_ms_per_step"] == pytest.approx(5.0) and out["compute_host_ms_per_step"] == pytest.approx(1.0)
+    assert out["late_wake_ms_per_step"] == 0
+    # a sleep that ended late is the stand-in's thread's lateness, not busy time nor the step's host work
+    late = [replace(c, woke=c.end + 0.001) for c in calls]
+    out = window_figures(late, 0.0, 0.017, final=(14, 1.008, 2.020))
+    assert out["busy"] == pytest.approx(0.8) and out["late_wake_ms_per_step"] == pytest.approx(1.0)
+    assert out["compute_host_ms_per_step"] == pytest.approx(0.0, abs=1e-9)
     assert window_figures(calls, 0.0, 0.005, final=())["status"] == "no window"
 
 

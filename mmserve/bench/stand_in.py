@@ -41,13 +41,16 @@ SAMPLE_TEXT = ("The quick brown fox jumps over the lazy dog while a small red sq
 @dataclass(frozen=True)
 class Call:
     """One forward of the stand-in: its busy interval (perf_counter seconds), the new tokens it
-    carried, the logits rows it produced, and `counters()` as read when it started."""
+    carried, the logits rows it produced, `counters()` as read when it started, and when its thread
+    woke from the sleep (after `end`: the OS's and the GIL's lateness, on a busy machine
+    milliseconds; a GPU's step would have ended at `end`)."""
 
     start: float
     end: float
     tokens: int
     rows: int
     counters: tuple = ()
+    woke: float | None = None
 
 
 class _Body(torch.nn.Module):
@@ -134,8 +137,9 @@ class StandInForward:
         made = time.perf_counter()
         if made < deadline:
             time.sleep(deadline - made)  # releases the GIL, as a running GPU leaves the host free
+        woke = time.perf_counter()
         with self._lock:
-            self.calls.append(Call(start, max(deadline, made), tokens, rows, counters))
+            self.calls.append(Call(start, max(deadline, made), tokens, rows, counters, woke))
         return logits
 
 
