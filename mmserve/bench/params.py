@@ -84,7 +84,7 @@ forward on the GPU machine's own CPU; a 16 GiB KV arena holds 32 requests of
 one image (~600 tokens, 0.5 MiB a token in bfloat16)."""
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
                levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4,
-               host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8, prefill_tokens=(8, 16),
-               prefill_repeats=1)
+               host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8,
+               prefill_tokens=(8, 16), prefill_repeats=1)
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}

@@ -149,7 +149,8 @@ def window_figures(calls: list, opened: float | None, closed: float | None, fina
     stand_in_ms = 1000 * sum(c.end - c.start for c in window) / steps
     late_ms = 1000 * sum(max(0.0, (c.woke or c.end) - c.end) for c in window) / steps
     out = {"status": "ok", "steps": steps, "busy": busy / span, "span_s": span, "stand_in_busy_s": busy,
-           "stand_in_ms_per_step": stand_in_ms, "late_wake_ms_per_step": late_ms, "tokens_per_step": sorted({c.tokens for c in window}),
+           "stand_in_ms_per_step": stand_in_ms, "late_wake_ms_per_step": late_ms,
+           "tokens_per_step": sorted({c.tokens for c in window}),
            # the stand-in's idle time per step: the host work no overlap hid
            "idle_ms_per_step": 1000 * (span - busy) / (steps - 1),
            "step_ms": 1000 * (window[-1].start - window[0].start) / (steps - 1)}
