@@ -63,6 +63,10 @@ class Bench:
                                                       dtype=p.dtype))
         return self._adapter
 
+    async def model_adapter(self):
+        """The benchmark's own loaded model (the one under the HF baselines; loaded on first use)."""
+        return await self._baseline_adapter()
+
     async def _hf_baseline(self) -> HFBaseline:
         if self._hf is None:
             self.note("loading HF baseline")

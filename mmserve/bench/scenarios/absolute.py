@@ -21,7 +21,7 @@ async def absolute(b: Bench) -> dict:
     p = b.params
     b.note(f"copy bandwidth ({p.copy_mib} MiB)")
     copy = await compute.run(partial(copy_bandwidth, p.device, p.copy_mib))
-    adapter = await b._baseline_adapter()
+    adapter = await b.model_adapter()
     weights = decode_weight_bytes(adapter)
     b.note("prefill per token count")
     timer = await compute.run(partial(PrefillTimer, adapter, max(p.prefill_tokens)))
