@@ -41,7 +41,8 @@ SAMPLE_TEXT = ("The quick brown fox jumps over the lazy dog while a small red sq
 @dataclass(frozen=True)
 class Call:
     """One forward of the stand-in: its busy interval (perf_counter seconds), the new tokens it
-    carried, the logits rows it produced, `counters()` as read when it started, and when its thread
+    carried (on the runner's static decode path: the batch bucket's rows, padding included), the
+    logits rows it produced, `counters()` as read when it started, and when its thread
     woke from the sleep (after `end`: the OS's and the GIL's lateness, on a busy machine
     milliseconds; a GPU's step would have ended at `end`)."""
 
