@@ -63,6 +63,10 @@ class Bench:
                                                       dtype=p.dtype))
         return self._adapter
 
+    async def model_adapter(self):
+        """The benchmark's own loaded model (the one under the HF baselines; loaded on first use)."""
+        return await self._baseline_adapter()
+
     async def _hf_baseline(self) -> HFBaseline:
         if self._hf is None:
             self.note("loading HF baseline")
@@ -95,17 +99,20 @@ class Bench:
             await compute.run(self._ref.time, self.ask(next(self._warmups)), 0, 1)
         return await compute.run(self._ref.time, messages, hit, repeats)
 
-    def config(self, prefix: bool = True, encoder: bool = True):
+    def config(self, prefix: bool = True, encoder: bool = True, **sections):
+        """The benchmark's config; `sections` override keys as `Config.replace` takes them."""
         p = self.params
-        return bench_config(self.model_dir, p.torch_threads, prefix=prefix, encoder=encoder, device=p.device,
-                            dtype=p.dtype, kv_budget_bytes=p.kv_budget_bytes())
+        config = bench_config(self.model_dir, p.torch_threads, prefix=prefix, encoder=encoder, device=p.device,
+                              dtype=p.dtype, kv_budget_bytes=p.kv_budget_bytes())
+        return config.replace(**sections) if sections else config
 
     @asynccontextmanager
-    async def runtime(self, prefix: bool = True, encoder: bool = True):
-        """An embedded Runtime, warmed up by one request (on an image no scenario uses)."""
+    async def runtime(self, prefix: bool = True, encoder: bool = True, **sections):
+        """An embedded Runtime, warmed up by one request (on an image no scenario uses); `sections`
+        override config keys (e.g. `runtime={"cuda_graphs": False}`)."""
         self.note(f"starting runtime (prefix cache {'on' if prefix else 'off'}, encoder cache {'on' if encoder else 'off'})")
         try:
-            async with open_runtime(self.config(prefix, encoder)) as rt:
+            async with open_runtime(self.config(prefix, encoder, **sections)) as rt:
                 await timed_chat(rt, self.ask(next(self._warmups), QUESTIONS[1]), 2)
                 yield rt
         finally:

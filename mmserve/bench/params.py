@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_images", "peer", "replicas", "structured")
+ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_images", "peer", "replicas", "structured",
+                 "engine_overhead", "absolute")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,16 @@ class BenchParams:
     image_repeats: int = 2
     # 6. peer: its concurrency levels (empty: scenario 2's)
     peer_levels: tuple[int, ...] = ()
+    # 9. engine overhead: streams decoding through the real runtime, the model's forward a stand-in
+    # of fixed duration (4 ms: an H200's 7B decode step at 32)
+    engine_streams: int = 32
+    engine_tokens: int = 64  # per stream; the window is the steps while all of them decode
+    engine_prompt_tokens: int = 300  # text prompts (no image to encode) about as long as an image request's
+    engine_stand_in_ms: float = 4.0
+    # 10. absolute figures: the device's copy bandwidth, prefill time per token count
+    copy_mib: int = 256  # the copied buffer (each byte read once and written once)
+    prefill_tokens: tuple[int, ...] = (16, 64, 256, 640)
+    prefill_repeats: int = 5
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,16 +69,22 @@ bfloat16 (0.5 MiB a token), less than one request with an image; 8 GiB holds 16 
 FULL = BenchParams("full")
 QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=3, levels=(1, 4, 8, 16), sweep_tokens=64,
                 turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2,
-                peer_levels=(1, 8), host_share_steps=16)
+                peer_levels=(1, 8), host_share_steps=16, engine_tokens=48, copy_mib=64, prefill_tokens=(16, 64, 256),
+                prefill_repeats=3)
 GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat16", torch_threads=4,
-              scenarios=("decode", "concurrency", "multiturn", "same_image", "three_images"),
+              scenarios=("decode", "concurrency", "multiturn", "same_image", "three_images", "absolute",
+                         "engine_overhead"),
               decode_tokens=128, levels=(1, 8, 32), batched_levels=(8, 32), sweep_tokens=128,
-              kv_budget_mib=16384, turns=4, turn_tokens=32, conversations=4, image_repeats=3)
+              kv_budget_mib=16384, turns=4, turn_tokens=32, conversations=4, image_repeats=3, copy_mib=2048,
+              engine_prompt_tokens=600)
 """The GPU issue's figures: single-stream decode, 8 and 32 concurrent against HF's batched
-`generate` of the same requests, TTFT at 32, prefix hits; a 16 GiB KV arena holds 32 requests of
+`generate` of the same requests, TTFT at 32, prefix hits, the absolute figures (tok/s against the
+measured bandwidth limit, prefill time per token count) and the host's overhead with a stand-in
+forward on the GPU machine's own CPU; a 16 GiB KV arena holds 32 requests of
 one image (~600 tokens, 0.5 MiB a token in bfloat16)."""
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
                levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4,
-               host_share_steps=2)
+               host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8,
+               prefill_tokens=(8, 16), prefill_repeats=1)
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}

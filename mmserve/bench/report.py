@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+from mmserve.bench.absolute_figures import absolute_figures  # noqa: E402
 from mmserve.bench.report_targets import FAIL, _num, _plot_targets, fmt, target_rows  # noqa: E402,F401
 
 COLUMNS = ("scenario", "metric", "mmserve", "baseline", "ratio", "target", "ok")
@@ -69,9 +70,25 @@ def markdown(report: dict) -> str:
         *_image_tokens(meta),
         "## Summary",
         table(COLUMNS, [_summary_cells(r) for r in report["summary"]]),
+        *_absolute(report),
     ]
     parts += _details(report["scenarios"])
     return "\n\n".join(parts) + "\n"
+
+
+def _absolute(report: dict) -> list[str]:
+    """The absolute figures beside the ratios (`absolute_figures`), where the run has any."""
+    figures = report.get("absolute")
+    if figures is None:
+        figures = absolute_figures(report["scenarios"])
+    if not figures:
+        return []
+    rows = [(f["figure"], f"{fmt(f['value'])} {f['unit']}".strip(), f["source"]) for f in figures]
+    return ["## Absolute figures",
+            "To compare with other servers' published numbers directly. The bandwidth limit: a decode step reads "
+            "the language model's and the output head's weights once, at the copy bandwidth measured in this run "
+            "(KV reads come on top).",
+            table(("figure", "value", "from scenario"), rows)]
 
 
 def _device_line(meta: dict) -> str:

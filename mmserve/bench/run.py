@@ -17,6 +17,7 @@ import transformers
 import trio
 from tqdm import tqdm
 
+from mmserve.bench.absolute_figures import absolute_figures
 from mmserve.bench.baselines import release_device_memory
 from mmserve.bench.context import Bench
 from mmserve.bench.model import (built_preset, default_model_dir, ensure_model, family_name, sizes_vary,
@@ -50,7 +51,7 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
         meta.update(duration_s=time.perf_counter() - start, loadavg_end=_loadavg(),
                     thread_probe_end=thread_probe(params.torch_threads))
     summary = [r for res in results.values() for r in res.pop("rows", [])]
-    report = {"meta": meta, "summary": summary, "scenarios": results}
+    report = {"meta": meta, "summary": summary, "absolute": absolute_figures(results), "scenarios": results}
     report["paths"] = {k: str(v) for k, v in write_reports(report, out).items()}
     return report
 

@@ -1,11 +1,14 @@
 """The benchmark scenarios, one module per group: throughput (1 decode, 2 concurrency), caching
 (3 multi-turn, 4 same image, 5 three images) and versus_peer (6 peer), replicas (7 two servers on one Redis), structured (8 JSON-schema
-decoding). Each compares side by side,
+decoding), engine (9 the host's overhead around a stand-in forward) and absolute (10 the device's
+copy bandwidth and prefill time per token count, for the absolute figures). Each compares side by side,
 in the same run, and returns a dict of measurements plus `rows` for the report's summary table.
 Times are seconds unless named `_ms`. Part of the `mmserve bench` entry point: it may import
 anything in mmserve."""
 
+from mmserve.bench.scenarios.absolute import absolute
 from mmserve.bench.scenarios.caching import multiturn, same_image, three_images
+from mmserve.bench.scenarios.engine import engine_overhead
 from mmserve.bench.scenarios.replicas import replicas
 from mmserve.bench.scenarios.structured import structured
 from mmserve.bench.scenarios.throughput import concurrency, decode
@@ -20,6 +23,8 @@ SCENARIOS = {
     "peer": peer,
     "replicas": replicas,
     "structured": structured,
+    "engine_overhead": engine_overhead,
+    "absolute": absolute,
 }
 
-__all__ = ["SCENARIOS", "concurrency", "decode", "multiturn", "peer", "replicas", "same_image", "structured", "three_images"]
+__all__ = ["SCENARIOS", "absolute", "concurrency", "engine_overhead", "decode", "multiturn", "peer", "replicas", "same_image", "structured", "three_images"]
