@@ -167,8 +167,9 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         seq.forks = [(make_generator(params, c), matchers[c]) for c in range(1, params.n)]
         if -(-(seq.target_len + 1) // self.block_size) > self.kv.num_blocks:
             self._fail(seq, BadRequest(
-                f"the prompt needs {seq.target_len} tokens of KV; this server's KV cache holds "
-                f"{self.kv.num_blocks * self.block_size}", param="messages", code="context_length_exceeded"), "admission")
+                f"the prompt needs {seq.target_len + 1} tokens of KV cache; this model's KV arena holds "
+                f"{self.kv.num_blocks * self.block_size} tokens: raise [kv_cache] budget_bytes",
+                param="messages", code="context_length_exceeded"), "admission")
             return
         self.seqs.append(seq)
         self.in_flight[seq.request_id] = seq.handle

@@ -66,7 +66,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's own dtype where the device runs it (runtime.sizing)
     torch_threads: int = 0
     max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
     load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
@@ -81,7 +81,7 @@ class RuntimeConfig:
         check_bool(w, "gc_freeze", self.gc_freeze)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
-        check_choice(w, "dtype", self.dtype, DTYPES)
+        check_choice(w, "dtype", self.dtype, ("auto", *DTYPES))
         check_int(w, "torch_threads", self.torch_threads, 0)
         check_int(w, "max_loaded_models", self.max_loaded_models, 0)
         check_number(w, "load_timeout_s", self.load_timeout_s, 0, lo_open=True)
@@ -196,7 +196,8 @@ class EncoderCacheConfig:
 class KVCacheConfig:
     """The KV arena of each model: running sequences' KV and cached prefixes in one budget."""
 
-    budget_bytes: int = 256 * 1024 * 1024
+    budget_bytes: int | str = "auto"  # bytes, or "auto": memory_fraction of what the device has left (runtime.sizing)
+    memory_fraction: float = 0.5  # of the memory left after the weights, for budget_bytes = "auto"
     block_size: int = 16
     prefix_caching: bool = True
     inflight_wait_s: float = 10.0  # wait this long for blocks another request is computing; 0: never wait
@@ -204,7 +205,9 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         w = "[kv_cache]"
-        check_int(w, "budget_bytes", self.budget_bytes, 1)
+        if self.budget_bytes != "auto":
+            check_int(w, "budget_bytes", self.budget_bytes, 1, bound='>= 1, or "auto"')
+        check_number(w, "memory_fraction", self.memory_fraction, 0, 1, lo_open=True)
         check_int(w, "block_size", self.block_size, 1, 4096)
         check_bool(w, "prefix_caching", self.prefix_caching)
         check_number(w, "inflight_wait_s", self.inflight_wait_s, 0)

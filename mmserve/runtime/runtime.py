@@ -35,6 +35,8 @@ from mmserve.generation.runner import ModelRunner
 from mmserve.runtime import gc_heap
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
+from mmserve.runtime.sizing import context_tokens, kv_budget
+from mmserve.models.paged import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
 from mmserve.runtime.supervisor import Health, Supervisor
 
@@ -112,7 +114,9 @@ class Runtime:
     async def _start(self) -> None:
         self.supervisor.start(self.intake, "intake")
         for mc in self.config.models:
-            if mc.eager:
+            # the default model loads at start whether `default = true` names it or it is implied
+            # (the first, or only, [[models]] table); `load = "on_demand"` keeps it lazy
+            if mc.eager or (mc.load is None and mc.name == self.config.default_model):
                 await self.registry.get(mc.name)
         self.supervisor.ready = True
         self.log.info("runtime.started", models=self.registry.names(), loaded=sorted(self.registry.loaded))
@@ -145,8 +149,11 @@ class Runtime:
         """One model's actors around its KV arena: the tensors go to the generator's model runner,
         the bookkeeping of the same blocks to the cache manager."""
         kv, rt, gen = self.config.kv_cache, self.config.runtime, self.config.generator
-        runner = ModelRunner(adapter, kv.budget_bytes, kv.block_size, rt.attention_backend,
+        block_bytes = KVArena.block_bytes_for(adapter, kv.block_size)
+        budget = kv_budget(self.config, rt.device, block_bytes, context_tokens(self.config, adapter))
+        runner = ModelRunner(adapter, budget.value, kv.block_size, rt.attention_backend,
                              max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs)
+        runner.kv_budget_from = budget.why  # for the load log line
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics)
         manager.generator = generator.inbox_send
@@ -159,7 +166,9 @@ class Runtime:
         while the request lives)."""
         async with self.registry.lease(handle) as loaded:
             prefix = loaded.prefix_cache
-            yield Route(loaded.adapter, loaded.encoder.inbox_send, prefix.inbox_send if prefix else None)
+            kv = loaded.generator.runner.kv
+            yield Route(loaded.adapter, loaded.encoder.inbox_send, prefix.inbox_send if prefix else None,
+                        arena_tokens=kv.num_blocks * kv.block_size)
 
     # -- the API -------------------------------------------------------------------------
 
