@@ -37,6 +37,7 @@ _executor: ThreadPoolExecutor | None = None
 _threads = 0  # torch intra-op threads for the compute thread; 0 = torch's default
 _busy_since: float | None = None  # when the step now running started (None: idle)
 _busy_owner: str | None = None  # who submitted it (an actor's supervisor key)
+_last_beat: float = 0.0  # when the step now running last reported progress from inside (`heartbeat`)
 _unfinished: set[Future] = set()  # submitted steps not done yet: queued, taken by the thread, or running
 
 
@@ -88,6 +89,37 @@ def busy_for() -> float:
     """Seconds the step now running on the compute thread has taken (0 when idle)."""
     since = _busy_since
     return time.monotonic() - since if since is not None else 0.0
+
+
+def heartbeat() -> None:
+    """Progress from inside a step: a model's layers call this as each one starts (`beat_per_layer`),
+    so a forward that is slow (a vision tower taking minutes on a CPU) is told from one that is
+    hung (no layer starting for the stall limit)."""
+    global _last_beat
+    _last_beat = time.monotonic()
+
+
+def quiet_for() -> float:
+    """Seconds since the step now running started or last reported progress (0 when idle)."""
+    since = _busy_since
+    return time.monotonic() - max(since, _last_beat) if since is not None else 0.0
+
+
+def beat_per_layer(model: torch.nn.Module) -> int:
+    """Makes each layer of `model` (every element of its `ModuleList`s: the decoder's and the
+    vision tower's blocks) report progress as it starts; a few hooks per forward, next to nothing
+    in time. Returns the number of layers hooked."""
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for layer in module:
+                layer.register_forward_pre_hook(_beat_hook)
+                hooked += 1
+    return hooked
+
+
+def _beat_hook(module, args) -> None:
+    heartbeat()
 
 
 def busy_owner() -> str | None:

@@ -184,6 +184,7 @@ class ModelRegistry:
         adapter = load_adapter(mc.name, mc.resolved_path(), device=rc.device, dtype=dtype.value,
                                hash_algorithm=self.config.kv_cache.hash)
         adapter.dtype_from = dtype.why  # for the load log line
+        compute.beat_per_layer(adapter.model)  # a slow forward reports progress: not taken for a hung one
         return adapter
 
     def _warn_if_unbounded(self, adapter: Adapter) -> None:
