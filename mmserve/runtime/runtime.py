@@ -38,7 +38,7 @@ from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.sizing import context_tokens, kv_budget
 from mmserve.models.paged import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
-from mmserve.runtime.supervisor import Health, Supervisor
+from mmserve.runtime.supervisor import Health, Supervisor, not_serving_yet
 
 __all__ = ["CACHE_KINDS", "ChatCompletion", "ChatStream", "Delta", "Runtime", "complete", "new_request_id"]
 
@@ -174,10 +174,17 @@ class Runtime:
 
     def health(self, model: str | None = None) -> Health:
         """The runtime's health, or one model's (its actors and the shared intake): a load balancer
-        can route around one sick model. ModelNotFound for a name that is not configured."""
-        if model is not None:
-            self.registry.configured(model)
-        return self.supervisor.health(model, self.registry.states())
+        can route around one sick model. ModelNotFound for a name that is not configured.
+
+        One model's `ok` is what GET /health?model=NAME answers 200 for: the model is loaded and
+        serving here (a model not loaded yet is not ok, though its first request would load it)."""
+        if model is None:
+            return self.supervisor.health(None, self.registry.states())
+        self.registry.configured(model)
+        health = self.supervisor.health(model, self.registry.states())
+        if health.ok and not health.serving:
+            health = dataclasses.replace(health, ok=False, reason=not_serving_yet(model, health.state))
+        return health
 
     def models(self) -> list[dict[str, Any]]:
         states = self.health().models

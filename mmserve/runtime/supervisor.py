@@ -45,7 +45,7 @@ class Health:
     "ok", "down" (an actor of it died or hung: restarting), "loading", "not_loaded" or "failed".
 
     `ok`: nothing is wrong, requests are admitted (a model not loaded yet is loaded by its first
-    request). `serving`: what a load balancer routes by — for one model, also that it is loaded:
+    request); `Runtime.health(model)` narrows it to `serving`, as GET /health?model= does. `serving`: what a load balancer routes by — for one model, also that it is loaded:
     a request sent to a replica that has not loaded the model would wait for the whole load."""
 
     ok: bool
@@ -70,7 +70,7 @@ class Health:
     def retry_after(self) -> float | None:
         """When asking again may find it serving; None while serving, and for a model that is not
         loaded (nothing but a request for it will load it)."""
-        if self.serving or (self.ok and self.state == "not_loaded"):
+        if self.serving or self.state == "not_loaded":
             return None
         return self.retry_after_s
 
@@ -81,13 +81,13 @@ class Health:
         if self.model is not None:
             body["model"] = self.model
             body["state"] = self.state
-        reason = self.reason or (None if self.serving else _not_serving_yet(self.model, self.state))
+        reason = self.reason or (None if self.serving else not_serving_yet(self.model, self.state))
         if reason:
             body["reason"] = reason
         return body
 
 
-def _not_serving_yet(model: str, state: str | None) -> str:
+def not_serving_yet(model: str, state: str | None) -> str:
     if state == "loading":
         return f"model {model!r} is loading"
     return (f"model {model!r} is not loaded on this server: its first request here loads it "
