@@ -78,7 +78,7 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
     "generator": [("max_batched_tokens", 0), ("max_running_requests", 0), ("lookup_timeout_s", 0)],
     "supervisor": [("restart_backoff_s", 0), ("max_restart_backoff_s", 0.05), ("stall_timeout_s", 0),
                    ("healthy_reset_s", -1)],
-    "logging": [("format", "text"), ("level", "verbose"), ("level", "INFO")],
+    "logging": [("format", "text"), ("level", "verbose"), ("level", "INFO"), ("embedded_verbose", "yes")],
     "auth": [("api_keys", "k"), ("api_keys", [""]), ("api_keys", [" k"]), ("api_keys", [1]), ("api_keys_env", 5),
              ("admin_key", 5), ("admin_key_env", 5)],
     "shared_cache": [("url", 5), ("url", "http://127.0.0.1:6379"), ("lookup_deadline_ms", 0), ("ttl_s", 0),

@@ -374,10 +374,12 @@ class AuthConfig:
 class LoggingConfig:
     format: str = "json"
     level: str = "info"
+    embedded_verbose: bool = False  # embedded, with no logging set up by the host: every event to stderr (else warnings)
 
     def __post_init__(self) -> None:
         check_choice("[logging]", "format", self.format, LOG_FORMATS)
         check_choice("[logging]", "level", self.level, LOG_LEVELS)
+        check_bool("[logging]", "embedded_verbose", self.embedded_verbose)
 
 
 @dataclass(frozen=True)

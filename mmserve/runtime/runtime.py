@@ -82,14 +82,15 @@ class Runtime:
         `config`: a Config, a path to a TOML file, or None for the packaged default
         (`DEFAULT_CONFIG`: the demo models, whatever the working directory).
         Logs go through the standard `logging` module (logger `mmserve`): a host program's logging
-        configuration governs them; without one, `[logging]` applies and they go to stderr
-        (`mmserve.logs.use_default_logging`), never to stdout.
+        configuration governs them; without one, warnings and errors go to stderr (every event at
+        `[logging] level` with `embedded_verbose = true`; `mmserve.logs.use_default_logging`),
+        never to stdout.
 
         Leaving the block drains: nothing new is admitted, requests in flight get up to
         `[server] shutdown_grace_s` to finish, and the rest end with a 503 `shutdown` error."""
         if not isinstance(config, Config):
             config = load_config(DEFAULT_CONFIG if config is None else config)
-        use_default_logging(config.logging.format, config.logging.level)
+        use_default_logging(config.logging.format, config.logging.level, config.logging.embedded_verbose)
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
             compute.configure(config.runtime.torch_threads)
