@@ -59,10 +59,16 @@ def test_right_of_the_target_is_met_for_every_row_of_the_baseline_run():
 def test_load_warning_is_on_the_image_header():
     report = json.loads(BASELINE.read_text())
     lines, warning = _header_lines(report["meta"])
-    assert not warning and "no oversubscription seen" in " ".join(lines)
-    meta = copy.deepcopy(report["meta"]) | {"thread_probe_end": {"matmul_ms_1_threads": 0.2, "matmul_ms_2_threads": 1.1}}
+    quiet = copy.deepcopy(report["meta"]) | {"cpu_count": 2, "loadavg_start": [1.0, 1, 1], "loadavg_end": [2.5, 1, 1]}
+    lines, warning = _header_lines(quiet)
+    assert not warning and "the machine was quiet" in " ".join(lines)
+    meta = copy.deepcopy(quiet) | {"thread_probe_end": {"matmul_ms_1_threads": 0.2, "matmul_ms_2_threads": 1.1}}
     lines, warning = _header_lines(meta)
     assert warning and "oversubscribed" in " ".join(lines) and "6x" in " ".join(lines)
+    # the probe matmul saw nothing, but other processes kept the 2 CPUs busy (load average 4)
+    busy = quiet | {"loadavg_end": [4.0, 3.5, 3.0]}
+    lines, warning = _header_lines(busy)
+    assert warning and "the machine was busy" in " ".join(lines) and "4.0 on 2 CPUs" in " ".join(lines)
 
 
 def test_replot_renders_a_saved_report(tmp_path):
