@@ -83,3 +83,20 @@ def test_plot_without_targets_or_scenarios(tmp_path):
     report["summary"], report["scenarios"] = [], {}
     plot(report, tmp_path / "empty.png")
     assert (tmp_path / "empty.png").read_bytes()[:8] == PNG
+
+
+def test_the_progress_bars_eta_after_the_first_scenario_is_right_within_30_percent():
+    """The bar advances by each scenario's weight: after the first scenario its ETA is the rest's
+    weight at the first one's pace. Checked against the recorded runs (quick on a CPU, an H200's)."""
+    from mmserve.bench.params import ALL_SCENARIOS
+    from mmserve.bench.run import SCENARIO_WEIGHTS, scenario_weight
+
+    assert set(SCENARIO_WEIGHTS) == set(ALL_SCENARIOS)  # a new scenario gets its weight
+    results = BASELINE.parent.parent
+    for run in ("2026-11-25-quick-before", "2026-11-26-quick-session-after", "2026-11-27-gpu-h200-run3"):
+        scenarios = json.loads((results / run / "report.json").read_text())["scenarios"]
+        names = list(scenarios)
+        first = scenarios[names[0]]["duration_s"]
+        predicted = first * sum(scenario_weight(n) for n in names[1:]) / scenario_weight(names[0])
+        actual = sum(scenarios[n]["duration_s"] for n in names[1:])
+        assert abs(predicted - actual) <= 0.3 * actual, (run, predicted, actual)

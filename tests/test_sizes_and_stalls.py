@@ -103,3 +103,23 @@ async def test_a_slow_forward_is_not_a_stalled_one(tiny_config):
                 h.remove()
         assert answer.usage.completion_tokens == 2
         assert not any(s.restarts for s in rt.supervisor.states.values())
+
+
+@pytest.mark.slow
+async def test_a_real_shape_checkpoint_answers_an_image_request_with_the_defaults(tmp_path):
+    """SmolVLM-2B's shape (random weights, drawn at load) with nothing configured but the model: it
+    loads in its own bfloat16, its arena is sized from the memory left, and one image request (1,427
+    prompt tokens: 17 tiles through a 400M vision tower, then a 1.7B prefill) is answered on a
+    2-core CPU — minutes, each layer well inside the 30 s stall limit."""
+    from mmserve.models.demo import build_untrained
+
+    path = build_untrained("smolvlm-2b", tmp_path / "smolvlm-2b", seed=0, random_weights=True)
+    config = Config(models=(ModelConfig("smolvlm", str(path)),))  # every other key its default
+    async with Runtime.open(config) as rt:
+        loaded = rt.registry.loaded["smolvlm"]
+        assert loaded.adapter.dtype == torch.bfloat16
+        kv = loaded.generator.runner.kv
+        assert kv.num_blocks * kv.block_size > 1429  # the one-image prompt fits the auto-sized arena
+        answer = await rt.chat_completion(ask(render_image("red", "circle", seed=1)), max_tokens=1)
+    assert answer.usage.completion_tokens == 1 and answer.usage.prompt_tokens > 1000
+    assert not any(s.restarts for s in rt.supervisor.states.values())
