@@ -31,11 +31,11 @@ from mmserve.models.random_weights import is_random_weights
 from mmserve.runtime.runtime import configure_device
 
 
-# Each scenario's share of a run, about its seconds in a quick CPU run (bench/results/2026-11-26-quick-
-# session-after, and an H200 run's: the two newest scenarios estimated): the progress bar advances by these, so its
-# ETA after the first scenario scales the rest by how fast this machine ran it. Counting scenarios
-# alike put the ETA off by several times (concurrency and replicas take ten times what same_image does).
-# The ratios hold across devices (an H200 run: decode 36 s, concurrency 145 s).
+# Each scenario's share of a run, about its seconds in the recorded runs (a quick CPU run,
+# bench/results/2026-11-26-quick-session-after, and an H200 run; the two newest scenarios
+# estimated): the progress bar advances by these, so its ETA after the first scenario scales the
+# rest by how fast this machine ran that one. Counting scenarios alike put the ETA off by several
+# times (concurrency and replicas take ten times what same_image does).
 SCENARIO_WEIGHTS = {"decode": 8, "concurrency": 34, "multiturn": 5, "same_image": 2, "three_images": 2, "peer": 2,
                     "replicas": 29, "structured": 15, "engine_overhead": 10, "absolute": 5}
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"
