@@ -85,12 +85,6 @@ def _timed(owner, fn, *args):
         _busy_since = _busy_owner = None
 
 
-def busy_for() -> float:
-    """Seconds the step now running on the compute thread has taken (0 when idle)."""
-    since = _busy_since
-    return time.monotonic() - since if since is not None else 0.0
-
-
 def heartbeat() -> None:
     """Progress from inside a step: a model's layers call this as each one starts (`beat_per_layer`),
     so a forward that is slow (a vision tower taking minutes on a CPU) is told from one that is
