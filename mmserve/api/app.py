@@ -15,7 +15,7 @@ from mmserve.errors import (BadRequest, Forbidden, InternalError, MMServeError, 
                             UnsupportedMediaType, clip)
 from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mmserve.api import openai_json
+from mmserve.api import openai_json, responses
 from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, complete, new_request_id
 from mmserve.runtime.stream import Usage
 
@@ -157,6 +157,13 @@ def create_app(rt: Runtime) -> QuartTrio:
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # a long stream must not be cut by Quart's response timeout
         return response
+
+    @app.post("/v1/responses")
+    async def create_response():
+        """OpenAI's Responses API, on the chat path (mmserve.api.responses)."""
+        body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
+        answer = await responses.answer(rt, body, g.client_request_id, g.request_id)
+        return answer
 
     @app.post("/v1/completions")
     async def completions():

@@ -328,6 +328,7 @@ def parse_messages(raw: Any, limits: LimitsConfig, assistant_last: bool = False)
     if len(raw) > limits.max_messages:
         raise BadRequest(f"at most {limits.max_messages} messages are allowed", param="messages")
     messages = []
+    called: set[str] = set()  # the ids of the calls made so far
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -344,6 +345,10 @@ def parse_messages(raw: Any, limits: LimitsConfig, assistant_last: bool = False)
         content = m.get("content")
         parts = () if calls and content in (None, "", []) else _parts(content, where, role, limits)
         call_id = parse_tool_call_id(m, where) if role == "tool" else None
+        if call_id is not None and call_id not in called:  # OpenAI's rule: a result answers an earlier call
+            raise BadRequest(f"{where}: a 'tool' message must answer a call of an earlier assistant message; no "
+                             f"earlier message has a tool call with id {clip(call_id)}", param=f"{where}.tool_call_id")
+        called.update(c.id for c in calls)
         messages.append(Message("system" if role == "developer" else role, parts, calls, call_id))
     if messages[-1].role == "assistant" and not assistant_last:
         raise BadRequest("the last message must not be from the assistant: nothing to answer", param="messages")
