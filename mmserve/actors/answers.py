@@ -112,7 +112,8 @@ class Answers:
             logprobs += (self._pieces.logprob(eos, ""),)
         if tail or logprobs:
             handle.emit(TokenEvent(tail, -1, seq.choice, logprobs))
-        usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
+        # an EOS the model drew is a token of its answer (as OpenAI and vLLM count it), though no text
+        usage = Usage(seq.prompt_len, len(seq.tokens) + (eos is not None), seq.hit_tokens)
         self._end(seq, SeqState.FINISHED, FinishEvent(reason, usage, seq.job.encoder_hits, seq.choice))
         ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created
         if self.metrics is not None:

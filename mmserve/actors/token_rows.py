@@ -89,7 +89,8 @@ class TokenPieces:
         if text is None or text == own:
             return TokenLogprob(own, sampled.logprob, raw, tuple(_entry(self(t), lp) for t, lp in sampled.top))
         cut = own[: len(own) - len(text)] if own.endswith(text) and own[: len(own) - len(text)].isspace() else ""
-        top = tuple(_entry(_without(self(t), cut), lp) for t, lp in sampled.top)
+        shown = (text, tuple(text.encode()))  # the chosen token among its alternatives reads as it does itself
+        top = tuple(_entry(shown if t == sampled.token_id else _without(self(t), cut), lp) for t, lp in sampled.top)
         return TokenLogprob(text, sampled.logprob, tuple(text.encode()), top)
 
 

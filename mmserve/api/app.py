@@ -46,6 +46,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     app = QuartTrio("mmserve")
     app.config["MAX_CONTENT_LENGTH"] = None  # enforced by _read_body, which can answer 413 cleanly
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
+    app.json.sort_keys = False  # answers keep their order: a legacy top_logprobs dict is most likely first
 
     api_keys = [k.encode() for k in rt.config.auth.keys()]
     admin_key = rt.config.auth.admin().encode()
@@ -291,14 +292,27 @@ async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
         return openai_json.sse(openai_json.chunk(stream.id, stream.model, created, delta, finish_reason,
                                                  index, tokens if want_logprobs else None))
 
+    tools = stream.handle.request.tools
+    # with tools, a choice's role chunk waits for its first text or call: an answer that is only
+    # calls then streams `content: null`, as OpenAI's does (and as the whole answer has it)
+    announced = set() if tools is not None and tools.parsed else set(range(stream.handle.choices))
     try:
         echo = stream.handle.request.echo  # vLLM's echo: the last message's text starts the answer
-        for index in range(stream.handle.choices):
-            yield event({"role": "assistant", "content": "", "refusal": None}, index=index)
-            if echo:
-                yield event({"content": echo}, index=index)
+
+        def role(index: int, content: str | None) -> list[str]:
+            out = [event({"role": "assistant", "content": content, "refusal": None}, index=index)]
+            return out + [event({"content": echo}, index=index)] if echo else out
+
+        for index in sorted(announced):
+            for chunk in role(index, ""):
+                yield chunk
         delta = first
         while True:
+            if delta.index not in announced and (delta.text or delta.logprobs or delta.tool_calls
+                                                 or delta.finish_reason):
+                announced.add(delta.index)
+                for chunk in role(delta.index, None if delta.tool_calls and not delta.text and not echo else ""):
+                    yield chunk
             if delta.text or delta.logprobs:
                 yield event({"content": delta.text}, index=delta.index, tokens=delta.logprobs)
             for piece in delta.tool_calls:  # one chunk each, as OpenAI sends them

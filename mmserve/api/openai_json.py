@@ -100,8 +100,12 @@ def legacy_logprobs(tokens: tuple[TokenLogprob, ...], offset: int = 0, prompt: t
         out["token_logprobs"].append(logprob)
         top = None
         if logprob is not None:
-            top = dict(alternatives)
-            top.setdefault(token, logprob)
+            top = {}
+            for text, lp in alternatives:  # two tokens may read alike: the likelier one's logprob
+                top[text] = max(lp, top.get(text, lp))
+            top[token] = logprob  # the chosen token's own, whatever else reads like it
+            # most likely first, as OpenAI orders them: a client taking the first key gets the best token
+            top = dict(sorted(top.items(), key=lambda kv: -kv[1]))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(token)
