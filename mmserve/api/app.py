@@ -146,9 +146,9 @@ def create_app(rt: Runtime) -> QuartTrio:
         body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
         parsed = rt.parse(body)
         stream = rt.chat(request=parsed, client_request_id=g.client_request_id, request_id=g.request_id)
-        g.request_id = stream.request_id
+        g.request_id, g.client_request_id = stream.request_id, stream.client_request_id
         if not parsed.stream:
-            return openai_json.completion(await complete(stream))
+            return openai_json.completion(await complete(stream), parsed.options.tokens_as_ids)
         try:
             first = await stream.__anext__()
         except BaseException:
@@ -163,8 +163,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     async def create_response():
         """OpenAI's Responses API, on the chat path (mmserve.api.responses)."""
         body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
-        answer = await responses.answer(rt, body, g.client_request_id, g.request_id)
-        return answer
+        return await responses.answer(rt, body, g)
 
     @app.post("/v1/completions")
     async def completions():
@@ -176,7 +175,7 @@ def create_app(rt: Runtime) -> QuartTrio:
             for one in parsed:
                 streams.append(rt.chat(request=one, client_request_id=g.client_request_id,
                                        request_id=None if streams else g.request_id))
-            g.request_id = streams[0].request_id
+            g.request_id, g.client_request_id = streams[0].request_id, streams[0].client_request_id
             if not parsed[0].stream:
                 done = [await complete(s) for s in streams]  # they run at once; read in order
                 n = parsed[0].sampling.n
@@ -287,10 +286,16 @@ def _json(raw: bytes, content_type: str | None):
 async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
     created = int(time.time())
     want_logprobs = stream.handle.request.sampling.logprobs
+    ids = stream.handle.request.options.tokens_as_ids
+
+    continuous = stream.handle.request.options.continuous_usage
 
     def event(delta: dict, finish_reason: str | None = None, index: int = 0, tokens=None) -> str:
-        return openai_json.sse(openai_json.chunk(stream.id, stream.model, created, delta, finish_reason,
-                                                 index, tokens if want_logprobs else None))
+        body = openai_json.chunk(stream.id, stream.model, created, delta, finish_reason, index,
+                                 tokens if want_logprobs else None, ids)
+        if continuous:  # vLLM's continuous_usage_stats: the usage so far on every chunk
+            body["usage"] = openai_json.running_usage(stream.usage_so_far)
+        return openai_json.sse(body)
 
     tools = stream.handle.request.tools
     # with tools, a choice's role chunk waits for its first text or call: an answer that is only
@@ -358,7 +363,10 @@ async def _text_sse(streams: list[ChatStream], first: Delta, include_usage: bool
                 if delta.text or delta.logprobs or delta.prompt_logprobs or delta.finish_reason is not None:
                     choice = openai_json.text_choice(request, k * n + delta.index, delta.text, delta.finish_reason,
                                                      lp, delta.prompt_logprobs)
-                    yield openai_json.sse(openai_json.text_chunk(head.id, head.model, created, choice))
+                    body = openai_json.text_chunk(head.id, head.model, created, choice)
+                    if request.options.continuous_usage:  # vLLM's: this prompt's usage so far
+                        body["usage"] = openai_json.running_usage(stream.usage_so_far)
+                    yield openai_json.sse(body)
                 offsets[delta.index] += len(delta.text)
                 if stream.done:
                     break

@@ -316,13 +316,15 @@ def _check_metadata(body: dict) -> None:
                          "values up to 512)", param="metadata")
 
 
-async def answer(rt, body: Any, client_request_id: str | None, request_id: str):
+async def answer(rt, body: Any, g):
     """`POST /v1/responses`: the whole Response (a dict), or a streamed quart Response of its
-    events. The request runs on the chat path; `request_id` is the internal id minted for it."""
+    events. The request runs on the chat path; `g` (quart's request globals) holds the internal id
+    minted for it and the client's label."""
     chat_body = to_chat_body(body)
     _check_metadata(body)
     parsed = rt.parse(chat_body)
-    stream = rt.chat(request=parsed, client_request_id=client_request_id, request_id=request_id)
+    stream = rt.chat(request=parsed, client_request_id=g.client_request_id, request_id=g.request_id)
+    g.request_id, g.client_request_id = stream.request_id, stream.client_request_id
     echo = Echo("resp_" + stream.request_id, stream.model, int(time.time()), body, parsed)
     if not parsed.stream:
         return response(echo, await complete(stream))

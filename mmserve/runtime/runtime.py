@@ -268,7 +268,8 @@ class Runtime:
 
         Every request gets a fresh internal id (`stream.request_id`) that keys all of its state;
         `client_request_id` is the caller's label for it, logged beside the internal id and
-        searchable with `mmserve trace`, and may be shared by any number of requests. (`request_id`:
+        searchable with `mmserve trace`, and may be shared by any number of requests (a body's vLLM
+        `request_id` is used when it is not given). (`request_id`:
         an internal id the HTTP layer minted already, never a client's.) A refused request logs one
         `request.rejected` line and counts in `mmserve:request_rejected_total`.
         """
@@ -280,6 +281,8 @@ class Runtime:
                     body["messages"] = messages
                 request = self.parse(body)
             request = self._bind_tools(request)  # a ChatRequest parsed elsewhere
+            # the body's vLLM `request_id` labels the request when the caller (header) gave none
+            client_request_id = client_request_id or request.options.client_request_id
             self.registry.configured(request.model)
             health = self.supervisor.health(request.model)  # a model that failed to load is tried again
             if not health.ok:  # fail fast: never queue behind a dead, hung or draining actor
