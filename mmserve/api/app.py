@@ -24,6 +24,8 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _JSON_MEDIA_TYPE = re.compile(r"application/(?:[a-z0-9!#$&^_.-]+\+)?json", re.I)
 _UTF8_CHARSETS = {"utf-8", "utf8"}
 log = get_logger("http")
+# the routes an API key guards (when keys are set): the OpenAI API and vLLM's tokenizer routes
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def error_response(err: MMServeError) -> Response:
@@ -60,7 +62,7 @@ def create_app(rt: Runtime) -> QuartTrio:
         try:
             if request.path.startswith(("/debug/", "/admin/")):
                 _require_admin(admin_key)
-            elif api_keys and request.path.startswith("/v1/"):
+            elif api_keys and request.path.startswith(KEYED_PATHS):
                 if not _matches(_bearer(), api_keys):
                     raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
         except MMServeError:
@@ -164,6 +166,21 @@ def create_app(rt: Runtime) -> QuartTrio:
         """OpenAI's Responses API, on the chat path (mmserve.api.responses)."""
         body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
         return await responses.answer(rt, body, g)
+
+    @app.post("/tokenize")
+    async def tokenize():
+        """vLLM's /tokenize (mmserve.runtime.tokenization): a prompt, or chat messages."""
+        return await rt.tokenize(_json(await _read_body(rt.config.server.max_body_bytes),
+                                       request.headers.get("content-type")))
+
+    @app.post("/detokenize")
+    async def detokenize():
+        return await rt.detokenize(_json(await _read_body(rt.config.server.max_body_bytes),
+                                         request.headers.get("content-type")))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return await rt.tokenizer_info(request.args.get("model"))
 
     @app.post("/v1/completions")
     async def completions():

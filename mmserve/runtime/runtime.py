@@ -29,10 +29,11 @@ from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
 from mmserve.inputs.completions import parse_completion_requests
 from mmserve.inputs.request import ChatRequest, parse_chat_request
+from mmserve.inputs.tokenize import parse_detokenize, parse_tokenize
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
 from mmserve.generation.runner import ModelRunner
-from mmserve.runtime import gc_heap
+from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
@@ -238,6 +239,31 @@ class Runtime:
         """Validates a legacy completions body (`/v1/completions`): one request per prompt, each
         started with `chat(request=...)` and served on the chat path, its prompt untemplated."""
         return parse_completion_requests(body, self.config.limits, self.config.default_model)
+
+    # -- vLLM's tokenizer routes (mmserve.runtime.tokenization) -------------------------------
+
+    async def _adapter(self, model: str | None):
+        name = model or self.config.default_model
+        self.registry.configured(name)  # ModelNotFound (404) for a name that is not configured
+        return (await self.registry.get(name)).adapter
+
+    async def tokenize(self, body: dict) -> dict:
+        """vLLM's `/tokenize`: a `prompt`, or `messages` rendered as a chat request's prompt is
+        (images expanded to the tokens the model sees): `{count, max_model_len, tokens, token_strs}`."""
+        request = parse_tokenize(body, self.config.limits, self.config.default_model)
+        adapter = await self._adapter(request.model)
+        return await trio.to_thread.run_sync(tokenization.tokenize, adapter, request, self.config.limits,
+                                             limiter=self.intake.limiter, abandon_on_cancel=True)
+
+    async def detokenize(self, body: dict) -> dict:
+        """vLLM's `/detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`."""
+        request = parse_detokenize(body, self.config.limits, self.config.default_model)
+        adapter = await self._adapter(request.model)
+        return tokenization.detokenize(adapter, request)
+
+    async def tokenizer_info(self, model: str | None = None) -> dict:
+        """vLLM's `/tokenizer_info`: the tokenizer's class, special tokens and chat template."""
+        return tokenization.tokenizer_info(await self._adapter(model))
 
     async def text_completion(self, prompt: str | list, **params: Any) -> ChatCompletion:
         """One legacy completion of a single raw `prompt` (text or token ids), run to its end;
