@@ -246,3 +246,28 @@ def test_a_langchain_shaped_request_with_bound_tools(server):
     r = strict_response(post(server, body).json())
     call = next(o for o in r.output if o.type == "function_call")
     jsonschema.validate(json.loads(call.arguments), REPORT["parameters"])
+
+
+def test_langchain_use_responses_api_with_bind_tools(server):
+    """Live, with langchain-openai (the `clients` extra; skipped without it)."""
+    lc = pytest.importorskip("langchain_openai")
+    from typing import Literal
+
+    class ShapeReport(BaseModel):
+        """The colour and kind of the shape in the image."""
+        color: Literal[COLORS]  # type: ignore[valid-type]
+        shape: Literal[SHAPES]  # type: ignore[valid-type]
+
+    llm = lc.ChatOpenAI(model="demo", base_url=server.url + "/v1", api_key="unused", temperature=0, max_retries=0,
+                        use_responses_api=True)
+    messages = [("user", [{"type": "image_url", "image_url": {"url": data_url(render_image("purple", "square"))}},
+                          {"type": "text", "text": Q_COLOR}])]
+    assert "purple" in llm.invoke(messages).text
+    bound = llm.bind_tools([ShapeReport], tool_choice="any")
+    [call] = bound.invoke(messages).tool_calls
+    assert call["name"] == "ShapeReport"
+    ShapeReport.model_validate(call["args"])
+    streamed = None
+    for chunk in bound.stream(messages):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
