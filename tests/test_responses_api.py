@@ -169,9 +169,10 @@ def test_a_named_function_and_a_history_of_calls_and_outputs(client, server):
                                     max_output_tokens=8)
     no_extra(after)
     assert after.output[0].type == "message" and after.usage.input_tokens > r.usage.input_tokens
-    # an output that answers no call is refused, as OpenAI does
-    with pytest.raises(openai.BadRequestError):
+    # an output that answers no call is refused, as OpenAI does, naming the item
+    with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="demo", input=history[:1] + history[2:], tools=[WEATHER])
+    assert info.value.body["param"] == "input[1].call_id"
 
 
 def test_text_format_json_schema_and_max_output_tokens(client, server):
@@ -211,6 +212,12 @@ def test_text_format_json_schema_and_max_output_tokens(client, server):
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"n": 2}, "n"),
     ({"metadata": {"k": 1}}, "metadata"),
+    # the chat parser's and the intake's refusals name the Responses item, not the chat message
+    ({"instructions": "x", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,aGVsbG8="}]}]}, "input[1].content (image 0)"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "ftp://x/a.png"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"role": "assistant", "content": "hi"}]}, "input"),
 ])
 def test_what_mmserve_cannot_do_is_a_400_naming_it(server, body, param):
     r = post(server, {"model": "demo", "input": "hi", **body})

@@ -19,13 +19,14 @@ The JSON shapes of the answer and its stream are in `mmserve.api.responses_json`
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 from quart import Response
 
 from mmserve.api.responses_json import Echo, response, stream_events
-from mmserve.errors import BadRequest, UnsupportedParameter, clip
+from mmserve.errors import BadRequest, MMServeError, UnsupportedParameter, clip
 from mmserve.runtime.stream import complete
 
 # built-in tools OpenAI runs on its side; mmserve has none of them
@@ -45,9 +46,10 @@ _INCLUDES = {"message.output_text.logprobs"}  # the one `include` that concerns 
 _ROLES = {"user", "system", "developer", "assistant"}
 
 
-def to_chat_body(body: Any) -> dict:
-    """The chat-completions body that `body` (a Responses API request) means; a 400 naming the
-    Responses parameter for what is wrong or unsupported in it."""
+def to_chat_body(body: Any) -> tuple[dict, list[str]]:
+    """The chat-completions body that `body` (a Responses API request) means, and where each of
+    its messages came from (`instructions`, `input`, `input[i]`); a 400 naming the Responses
+    parameter for what is wrong or unsupported in it."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(k for k in body if k not in _KNOWN)
@@ -56,7 +58,8 @@ def to_chat_body(body: Any) -> dict:
         raise BadRequest(f"unrecognized request argument(s) for /v1/responses: {shown}",
                          param=unknown[0] if len(unknown[0]) <= 64 else None)
     _refuse_unsupported(body)
-    chat: dict = {"messages": _messages(body)}
+    messages, origins = _messages(body)
+    chat: dict = {"messages": messages}
     for key in ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "metadata",
                 "service_tier", "prompt_cache_key", "safety_identifier"):
         if body.get(key) is not None:
@@ -78,7 +81,7 @@ def to_chat_body(body: Any) -> dict:
     choice = _tool_choice(body.get("tool_choice"))
     if choice is not None:
         chat["tool_choice"] = choice
-    return chat
+    return chat, origins
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -126,22 +129,46 @@ def _wants_logprobs(body: dict) -> bool:
 
 # -- input -------------------------------------------------------------------------------------
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict) -> tuple[list[dict], list[str]]:
     messages: list[dict] = []
+    origins: list[str] = []  # per message, the Responses parameter it came from
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise BadRequest("'instructions' must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
+        origins.append("instructions")
     raw = body.get("input")
     if isinstance(raw, str):
         messages.append({"role": "user", "content": raw})
-        return messages
+        return messages, origins + ["input"]
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'input' must be a string or a non-empty list of input items", param="input")
     for i, item in enumerate(raw):
         _add_item(messages, item, f"input[{i}]")
-    return messages
+        origins += [f"input[{i}]"] * (len(messages) - len(origins))
+    return messages, origins
+
+
+_MESSAGE_PATH = re.compile(r"messages\[(\d+)\]")
+
+
+def _in_responses_terms(err: MMServeError, origins: list[str]) -> MMServeError:
+    """`err` (from the chat parser) naming the Responses parameter a message came from, not the
+    chat message it became (`messages[2].content[0]` -> `input[1].content[0]`)."""
+    def name(m: re.Match) -> str:
+        k = int(m.group(1))
+        return origins[k] if k < len(origins) else m.group(0)
+
+    err.message = _MESSAGE_PATH.sub(name, err.message)
+    if err.param is not None:
+        err.param = _MESSAGE_PATH.sub(name, err.param)
+        if err.param == "messages":
+            err.param = "input"
+        elif err.param.startswith("input[") and err.param.endswith(".tool_call_id"):
+            err.param = err.param.removesuffix(".tool_call_id") + ".call_id"  # a function_call_output's
+    err.args = (err.message,)
+    return err
 
 
 def _add_item(messages: list[dict], item: Any, where: str) -> None:
@@ -320,16 +347,22 @@ async def answer(rt, body: Any, g):
     """`POST /v1/responses`: the whole Response (a dict), or a streamed quart Response of its
     events. The request runs on the chat path; `g` (quart's request globals) holds the internal id
     minted for it and the client's label."""
-    chat_body = to_chat_body(body)
+    chat_body, origins = to_chat_body(body)
     _check_metadata(body)
-    parsed = rt.parse(chat_body)
+    try:
+        parsed = rt.parse(chat_body)
+    except MMServeError as err:
+        raise _in_responses_terms(err, origins) from None
     stream = rt.chat(request=parsed, client_request_id=g.client_request_id, request_id=g.request_id)
     g.request_id, g.client_request_id = stream.request_id, stream.client_request_id
     echo = Echo("resp_" + stream.request_id, stream.model, int(time.time()), body, parsed)
-    if not parsed.stream:
-        return response(echo, await complete(stream))
-    try:
+    try:  # the intake's refusals (an undecodable image, a prompt too long) come with the first event
+        if not parsed.stream:
+            return response(echo, await complete(stream))
         first = await stream.__anext__()
+    except MMServeError as err:
+        stream.close()
+        raise _in_responses_terms(err, origins) from None
     except BaseException:
         stream.close()
         raise
