@@ -213,6 +213,14 @@ def wants_echo(body: dict) -> bool:
     return flag(body, "echo", False)
 
 
+def echo_text(messages: tuple, template: TemplateOptions) -> str:
+    """vLLM's `echo`: the last message's text when it has the answer's role (the assistant's, or,
+    without a generation prompt, the last message's own), else nothing."""
+    role = "assistant" if template.add_generation_prompt else messages[-1].role
+    last = messages[-1]
+    return "".join(p.text for p in last.parts if hasattr(p, "text")) if last.role == role else ""
+
+
 def structured_grammar(body: dict) -> str | None:
     """The grammar of the request's structured output: `response_format`, or one of vLLM's
     `guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` (at most one of them)."""

@@ -16,7 +16,7 @@ from mmserve.errors import CLIP_CHARS, BadRequest, UnsupportedParameter, clip
 from mmserve.config import LimitsConfig
 from mmserve.inputs.remote_images import check_url, is_remote_url
 from mmserve.generation.sampling import SamplingParams
-from mmserve.inputs.extensions import (VLLM_FIELDS, RequestOptions, TemplateOptions, request_options,
+from mmserve.inputs.extensions import (VLLM_FIELDS, RequestOptions, TemplateOptions, echo_text, request_options,
                                        sampling_extensions, structured_grammar, template_options, wants_echo)
 from mmserve.generation.tool_calls import ToolCall
 from mmserve.inputs.tools import Tools, parse_tool_call_id, parse_tool_calls, parse_tools
@@ -249,8 +249,7 @@ def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
         raise BadRequest("'seed' must be an integer", param="seed")
     min_tokens = _integer(body, "min_tokens", 0, limits.max_tokens) or 0
     if max_tokens is not None and min_tokens > max_tokens:  # vLLM refuses it too (never capped silently)
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        raise BadRequest(f"'min_tokens' ({min_tokens}) must not be above '{key}' ({max_tokens})", param="min_tokens")
+        raise BadRequest(f"'min_tokens' ({min_tokens}) must not be above max_tokens ({max_tokens})", param="min_tokens")
     logprobs, top_logprobs = _logprobs(body)
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     return SamplingParams(
@@ -349,10 +348,7 @@ def parse_messages(raw: Any, limits: LimitsConfig, assistant_last: bool = False)
         calls = parse_tool_calls(m["tool_calls"], where, role) if m.get("tool_calls") else ()
         content = m.get("content")
         parts = () if calls and content in (None, "", []) else _parts(content, where, role, limits)
-        call_id = parse_tool_call_id(m, where) if role == "tool" else None
-        if call_id is not None and call_id not in called:  # OpenAI's rule: a result answers an earlier call
-            raise BadRequest(f"{where}: a 'tool' message must answer a call of an earlier assistant message; no "
-                             f"earlier message has a tool call with id {clip(call_id)}", param=f"{where}.tool_call_id")
+        call_id = parse_tool_call_id(m, where, called) if role == "tool" else None
         called.update(c.id for c in calls)
         messages.append(Message("system" if role == "developer" else role, parts, calls, call_id))
     if messages[-1].role == "assistant" and not assistant_last:
@@ -415,14 +411,7 @@ def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> C
         cache_salt=salt,
         tools=parse_tools(body),
         template=template,
-        echo=_echo(messages, template) if wants_echo(body) else "",
+        echo=echo_text(messages, template) if wants_echo(body) else "",
         options=request_options(body),
     )
 
-
-def _echo(messages: tuple[Message, ...], template: TemplateOptions) -> str:
-    """vLLM's `echo`: the last message's text when it has the answer's role (the assistant's, or,
-    without a generation prompt, the last message's own), else nothing."""
-    role = "assistant" if template.add_generation_prompt else messages[-1].role
-    last = messages[-1]
-    return "".join(p.text for p in last.parts if isinstance(p, TextPart)) if last.role == role else ""

@@ -192,11 +192,16 @@ def parse_tool_calls(raw: Any, where: str, role: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def parse_tool_call_id(m: dict, where: str) -> str:
+def parse_tool_call_id(m: dict, where: str, called: set[str]) -> str:
+    """A tool message's `tool_call_id`: one of the `called` ids of earlier assistant messages
+    (OpenAI's rule: a result answers a call made before it)."""
     call_id = m.get("tool_call_id")
     if not isinstance(call_id, str) or not call_id:
         raise BadRequest(f"{where}: a 'tool' message needs a 'tool_call_id' string (the id of the call it answers)",
                          param=f"{where}.tool_call_id")
+    if call_id not in called:
+        raise BadRequest(f"{where}: a 'tool' message must answer a call of an earlier assistant message; no "
+                         f"earlier message has a tool call with id {clip(call_id)}", param=f"{where}.tool_call_id")
     return call_id
 
 
