@@ -211,6 +211,7 @@ def test_text_format_json_schema_and_max_output_tokens(client, server):
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"n": 2}, "n"),
+    ({"priority": 2}, "priority"),
     ({"metadata": {"k": 1}}, "metadata"),
     # the chat parser's and the intake's refusals name the Responses item, not the chat message
     ({"instructions": "x", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": [
@@ -227,6 +228,13 @@ def test_what_mmserve_cannot_do_is_a_400_naming_it(server, body, param):
     kind = body.get("tools", [{}])[0].get("type") or (body.get("tool_choice") or {}).get("type")
     if kind:
         assert kind in error["message"]
+
+
+def test_vllm_request_id_and_an_include_of_no_reasoning(server):
+    r = post(server, {"model": "demo", "input": "red", "max_output_tokens": 2, "request_id": "resp-job-1",
+                      "include": ["reasoning.encrypted_content"]})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "resp-job-1"
+    assert all(o.type == "message" for o in strict_response(r.json()).output)
 
 
 def test_errors_through_the_official_client(client):

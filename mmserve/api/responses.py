@@ -41,8 +41,11 @@ _KNOWN = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools", "tool_choice",
     "parallel_tool_calls", "stream", "previous_response_id", "include", "top_logprobs", "reasoning",
     "truncation", "background", "conversation", "prompt", "max_tool_calls",
+    "request_id", "priority",  # vLLM's, with their chat meaning
 } | _IGNORED
-_INCLUDES = {"message.output_text.logprobs"}  # the one `include` that concerns a text-only server
+# what `include` may ask for: logprobs; and encrypted reasoning, which is trivially included (there
+# is none: mmserve's models do not reason separately), so clients that always ask still work
+_INCLUDES = {"message.output_text.logprobs", "reasoning.encrypted_content"}
 _ROLES = {"user", "system", "developer", "assistant"}
 
 
@@ -61,7 +64,7 @@ def to_chat_body(body: Any) -> tuple[dict, list[str]]:
     messages, origins = _messages(body)
     chat: dict = {"messages": messages}
     for key in ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "metadata",
-                "service_tier", "prompt_cache_key", "safety_identifier"):
+                "service_tier", "prompt_cache_key", "safety_identifier", "request_id", "priority"):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:
@@ -124,7 +127,7 @@ def _wants_logprobs(body: dict) -> bool:
     if other:
         raise UnsupportedParameter(f"'include' {clip(other[0])} is not supported; mmserve can include only "
                                    f"{sorted(_INCLUDES)}", param="include")
-    return bool(include)
+    return "message.output_text.logprobs" in include
 
 
 # -- input -------------------------------------------------------------------------------------
