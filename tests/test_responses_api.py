@@ -243,6 +243,11 @@ def test_errors_through_the_official_client(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="demo", input="hi", previous_response_id="resp_1")
     assert "does not store responses" in info.value.message
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve("resp_123")
+    assert info.value.body["code"] == "not_found" and "not stored" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete("resp_123")
 
 
 def test_a_langchain_shaped_request_with_bound_tools(server):

@@ -167,6 +167,12 @@ def create_app(rt: Runtime) -> QuartTrio:
         body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
         return await responses.answer(rt, body, g)
 
+    @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
+    async def stored_response(response_id: str):
+        """Retrieve, delete, cancel, input items: a 404 that says nothing is stored."""
+        await _drain(rt.config.server.max_body_bytes)  # an unread body would garble the connection
+        raise responses.not_stored(response_id.split("/")[0])
+
     @app.post("/tokenize")
     async def tokenize():
         """vLLM's /tokenize (mmserve.runtime.tokenization): a prompt, or chat messages."""

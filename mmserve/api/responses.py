@@ -11,8 +11,8 @@ file search, computer use, code interpreter, ...), `background`, `conversation`,
 templates, `truncation: "auto"`, `item_reference` items, and `previous_response_id`: **responses
 are not stored** (as vLLM without its opt-in store), so a conversation is continued by sending
 its whole history in `input` (earlier `message`, `function_call` and `function_call_output`
-items). `store` is accepted either way and keeps nothing; a stored response could not be
-fetched anyway (`GET /v1/responses/{id}` is a 404).
+items). `store` is accepted either way and keeps nothing; `GET /v1/responses/{id}` (and
+delete, cancel, input items) is a 404 that says so.
 
 The JSON shapes of the answer and its stream are in `mmserve.api.responses_json`.
 """
@@ -26,7 +26,7 @@ from typing import Any
 from quart import Response
 
 from mmserve.api.responses_json import Echo, response, stream_events
-from mmserve.errors import BadRequest, MMServeError, UnsupportedParameter, clip
+from mmserve.errors import BadRequest, MMServeError, NotFound, UnsupportedParameter, clip
 from mmserve.runtime.stream import complete
 
 # built-in tools OpenAI runs on its side; mmserve has none of them
@@ -373,3 +373,9 @@ async def answer(rt, body: Any, g):
     out.headers["Cache-Control"] = "no-cache"
     out.timeout = None  # a long stream must not be cut by Quart's response timeout
     return out
+
+
+def not_stored(response_id: str) -> NotFound:
+    """`GET /v1/responses/{id}` (and its cancel, delete, input items): nothing is ever stored."""
+    return NotFound(f"response {clip(response_id)} is not stored: mmserve keeps no responses (as vLLM without its "
+                    "opt-in store); a response is answered once, to the request that made it")
