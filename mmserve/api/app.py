@@ -310,7 +310,6 @@ async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
     created = int(time.time())
     want_logprobs = stream.handle.request.sampling.logprobs
     ids = stream.handle.request.options.tokens_as_ids
-
     continuous = stream.handle.request.options.continuous_usage
 
     def event(delta: dict, finish_reason: str | None = None, index: int = 0, tokens=None) -> str:
