@@ -311,6 +311,9 @@ def function_tools(body: dict) -> list[dict]:
                                        "'function' tools (the caller runs them)", param=f"tools[{i}].type")
         if kind != "function":
             raise BadRequest(f"tools[{i}].type must be 'function', got {clip(kind)}", param=f"tools[{i}].type")
+        if tool.get("defer_loading"):
+            raise UnsupportedParameter(f"tools[{i}].defer_loading is not supported (mmserve has no tool search): "
+                                       "every tool is shown to the model", param=f"tools[{i}].defer_loading")
         extra = sorted(set(tool) - {"type", "name", "description", "parameters", "strict", "defer_loading"})
         if extra:
             raise BadRequest(f"tools[{i}]: unrecognized field(s) {clip(', '.join(extra))} (a Responses function "
