@@ -112,6 +112,14 @@ class ModelNotFound(MMServeError):
     code = "model_not_found"
 
 
+class NotFound(MMServeError):
+    """Something other than a model that does not exist here (a stored response: none are kept)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
 class PayloadTooLarge(MMServeError):
     status = 413
     type = "invalid_request_error"

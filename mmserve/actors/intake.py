@@ -119,16 +119,33 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
         keys = tuple(adapter.image_key(img) for img in images)
         prompt = dataclasses.replace(prompt, mm_keys=keys)
     param = "messages" if request.prompt is None else "prompt"
+    max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
+    if request.options.truncate_prompt_tokens is not None:
+        prompt = truncated(adapter, prompt, request.options.truncate_prompt_tokens, limits, max_pos)
     if len(prompt.input_ids) > limits.max_prompt_tokens:
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens, above this server's limit of "
             f"{limits.max_prompt_tokens}", param=param, code="context_length_exceeded")
-    max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
     if max_pos and len(prompt.input_ids) >= max_pos:
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens; model {adapter.name!r} has a context "
             f"of {max_pos}", param=param, code="context_length_exceeded")
     return prompt
+
+
+def truncated(adapter: Adapter, prompt: PromptInputs, keep: int, limits: LimitsConfig, max_pos: int) -> PromptInputs:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as this server
+    and the model take, leaving room for one answer token). A prompt with images is refused rather
+    than cut: its images' tokens would be cut through or moved away from their pixels."""
+    if keep == -1:
+        keep = min(limits.max_prompt_tokens, max_pos - 1 if max_pos else limits.max_prompt_tokens)
+    if len(prompt.input_ids) <= keep:
+        return prompt
+    if prompt.spans:
+        raise BadRequest(f"'truncate_prompt_tokens' would cut this prompt ({len(prompt.input_ids)} tokens) to "
+                         f"{keep}, and it holds images, which mmserve does not cut; send a shorter conversation",
+                         param="truncate_prompt_tokens")
+    return adapter.tokenize_raw(prompt.input_ids[-keep:])
 
 
 def raw_prompt_ids(adapter: Adapter, raw: RawPrompt) -> tuple[int, ...]:

@@ -39,6 +39,7 @@ class TokenLogprob:
     logprob: float
     bytes: tuple[int, ...]
     top: tuple["TokenLogprob", ...] = ()
+    token_id: int = -1  # for vLLM's return_tokens_as_token_ids
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class TokenEvent:
     index: int = 0  # the choice it belongs to (n > 1)
     logprobs: tuple[TokenLogprob, ...] = ()  # when the request asked for them: this event's tokens
     prompt: tuple[PromptLogprob, ...] = ()  # /v1/completions: the prompt's own logprobs, once
+    # the choice's progress when it was sent (vLLM's continuous_usage_stats): its prompt's
+    # tokens and the tokens it has drawn so far (some of them may still hold back their text)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from mmserve.errors import (BadRequest, Forbidden, InternalError, MMServeError, 
                             UnsupportedMediaType, clip)
 from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mmserve.api import openai_json
+from mmserve.api import openai_json, responses
 from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, complete, new_request_id
 from mmserve.runtime.stream import Usage
 
@@ -24,6 +24,8 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _JSON_MEDIA_TYPE = re.compile(r"application/(?:[a-z0-9!#$&^_.-]+\+)?json", re.I)
 _UTF8_CHARSETS = {"utf-8", "utf8"}
 log = get_logger("http")
+# the routes an API key guards (when keys are set): the OpenAI API and vLLM's tokenizer routes
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def error_response(err: MMServeError) -> Response:
@@ -46,6 +48,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     app = QuartTrio("mmserve")
     app.config["MAX_CONTENT_LENGTH"] = None  # enforced by _read_body, which can answer 413 cleanly
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
+    app.json.sort_keys = False  # answers keep their order: a legacy top_logprobs dict is most likely first
 
     api_keys = [k.encode() for k in rt.config.auth.keys()]
     admin_key = rt.config.auth.admin().encode()
@@ -59,7 +62,7 @@ def create_app(rt: Runtime) -> QuartTrio:
         try:
             if request.path.startswith(("/debug/", "/admin/")):
                 _require_admin(admin_key)
-            elif api_keys and request.path.startswith("/v1/"):
+            elif api_keys and request.path.startswith(KEYED_PATHS):
                 if not _matches(_bearer(), api_keys):
                     raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
         except MMServeError:
@@ -145,9 +148,9 @@ def create_app(rt: Runtime) -> QuartTrio:
         body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
         parsed = rt.parse(body)
         stream = rt.chat(request=parsed, client_request_id=g.client_request_id, request_id=g.request_id)
-        g.request_id = stream.request_id
+        g.request_id, g.client_request_id = stream.request_id, stream.client_request_id
         if not parsed.stream:
-            return openai_json.completion(await complete(stream))
+            return openai_json.completion(await complete(stream), parsed.options.tokens_as_ids)
         try:
             first = await stream.__anext__()
         except BaseException:
@@ -157,6 +160,33 @@ def create_app(rt: Runtime) -> QuartTrio:
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # a long stream must not be cut by Quart's response timeout
         return response
+
+    @app.post("/v1/responses")
+    async def create_response():
+        """OpenAI's Responses API, on the chat path (mmserve.api.responses)."""
+        body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
+        return await responses.answer(rt, body, g)
+
+    @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
+    async def stored_response(response_id: str):
+        """Retrieve, delete, cancel, input items: a 404 that says nothing is stored."""
+        await _drain(rt.config.server.max_body_bytes)  # an unread body would garble the connection
+        raise responses.not_stored(response_id.split("/")[0])
+
+    @app.post("/tokenize")
+    async def tokenize():
+        """vLLM's /tokenize (mmserve.runtime.tokenization): a prompt, or chat messages."""
+        return await rt.tokenize(_json(await _read_body(rt.config.server.max_body_bytes),
+                                       request.headers.get("content-type")))
+
+    @app.post("/detokenize")
+    async def detokenize():
+        return await rt.detokenize(_json(await _read_body(rt.config.server.max_body_bytes),
+                                         request.headers.get("content-type")))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return await rt.tokenizer_info(request.args.get("model"))
 
     @app.post("/v1/completions")
     async def completions():
@@ -168,7 +198,7 @@ def create_app(rt: Runtime) -> QuartTrio:
             for one in parsed:
                 streams.append(rt.chat(request=one, client_request_id=g.client_request_id,
                                        request_id=None if streams else g.request_id))
-            g.request_id = streams[0].request_id
+            g.request_id, g.client_request_id = streams[0].request_id, streams[0].client_request_id
             if not parsed[0].stream:
                 done = [await complete(s) for s in streams]  # they run at once; read in order
                 n = parsed[0].sampling.n
@@ -279,19 +309,37 @@ def _json(raw: bytes, content_type: str | None):
 async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
     created = int(time.time())
     want_logprobs = stream.handle.request.sampling.logprobs
+    ids = stream.handle.request.options.tokens_as_ids
+    continuous = stream.handle.request.options.continuous_usage
 
     def event(delta: dict, finish_reason: str | None = None, index: int = 0, tokens=None) -> str:
-        return openai_json.sse(openai_json.chunk(stream.id, stream.model, created, delta, finish_reason,
-                                                 index, tokens if want_logprobs else None))
+        body = openai_json.chunk(stream.id, stream.model, created, delta, finish_reason, index,
+                                 tokens if want_logprobs else None, ids)
+        if continuous:  # vLLM's continuous_usage_stats: the usage so far on every chunk
+            body["usage"] = openai_json.running_usage(stream.usage_so_far)
+        return openai_json.sse(body)
 
+    tools = stream.handle.request.tools
+    # with tools, a choice's role chunk waits for its first text or call: an answer that is only
+    # calls then streams `content: null`, as OpenAI's does (and as the whole answer has it)
+    announced = set() if tools is not None and tools.parsed else set(range(stream.handle.choices))
     try:
         echo = stream.handle.request.echo  # vLLM's echo: the last message's text starts the answer
-        for index in range(stream.handle.choices):
-            yield event({"role": "assistant", "content": "", "refusal": None}, index=index)
-            if echo:
-                yield event({"content": echo}, index=index)
+
+        def role(index: int, content: str | None) -> list[str]:
+            out = [event({"role": "assistant", "content": content, "refusal": None}, index=index)]
+            return out + [event({"content": echo}, index=index)] if echo else out
+
+        for index in sorted(announced):
+            for chunk in role(index, ""):
+                yield chunk
         delta = first
         while True:
+            if delta.index not in announced and (delta.text or delta.logprobs or delta.tool_calls
+                                                 or delta.finish_reason):
+                announced.add(delta.index)
+                for chunk in role(delta.index, None if delta.tool_calls and not delta.text and not echo else ""):
+                    yield chunk
             if delta.text or delta.logprobs:
                 yield event({"content": delta.text}, index=delta.index, tokens=delta.logprobs)
             for piece in delta.tool_calls:  # one chunk each, as OpenAI sends them
@@ -337,7 +385,10 @@ async def _text_sse(streams: list[ChatStream], first: Delta, include_usage: bool
                 if delta.text or delta.logprobs or delta.prompt_logprobs or delta.finish_reason is not None:
                     choice = openai_json.text_choice(request, k * n + delta.index, delta.text, delta.finish_reason,
                                                      lp, delta.prompt_logprobs)
-                    yield openai_json.sse(openai_json.text_chunk(head.id, head.model, created, choice))
+                    body = openai_json.text_chunk(head.id, head.model, created, choice)
+                    if request.options.continuous_usage:  # vLLM's: this prompt's usage so far
+                        body["usage"] = openai_json.running_usage(stream.usage_so_far)
+                    yield openai_json.sse(body)
                 offsets[delta.index] += len(delta.text)
                 if stream.done:
                     break

@@ -29,10 +29,11 @@ from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
 from mmserve.inputs.completions import parse_completion_requests
 from mmserve.inputs.request import ChatRequest, parse_chat_request
+from mmserve.inputs.tokenize import parse_detokenize, parse_tokenize
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
 from mmserve.generation.runner import ModelRunner
-from mmserve.runtime import gc_heap
+from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
@@ -239,6 +240,31 @@ class Runtime:
         started with `chat(request=...)` and served on the chat path, its prompt untemplated."""
         return parse_completion_requests(body, self.config.limits, self.config.default_model)
 
+    # -- vLLM's tokenizer routes (mmserve.runtime.tokenization) -------------------------------
+
+    async def _adapter(self, model: str | None):
+        name = model or self.config.default_model
+        self.registry.configured(name)  # ModelNotFound (404) for a name that is not configured
+        return (await self.registry.get(name)).adapter
+
+    async def tokenize(self, body: dict) -> dict:
+        """vLLM's `/tokenize`: a `prompt`, or `messages` rendered as a chat request's prompt is
+        (images expanded to the tokens the model sees): `{count, max_model_len, tokens, token_strs}`."""
+        request = parse_tokenize(body, self.config.limits, self.config.default_model)
+        adapter = await self._adapter(request.model)
+        return await trio.to_thread.run_sync(tokenization.tokenize, adapter, request, self.config.limits,
+                                             limiter=self.intake.limiter, abandon_on_cancel=True)
+
+    async def detokenize(self, body: dict) -> dict:
+        """vLLM's `/detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`."""
+        request = parse_detokenize(body, self.config.limits, self.config.default_model)
+        adapter = await self._adapter(request.model)
+        return tokenization.detokenize(adapter, request)
+
+    async def tokenizer_info(self, model: str | None = None) -> dict:
+        """vLLM's `/tokenizer_info`: the tokenizer's class, special tokens and chat template."""
+        return tokenization.tokenizer_info(await self._adapter(model))
+
     async def text_completion(self, prompt: str | list, **params: Any) -> ChatCompletion:
         """One legacy completion of a single raw `prompt` (text or token ids), run to its end;
         the keywords are those of `/v1/completions` (`max_tokens` defaults to 16)."""
@@ -268,7 +294,8 @@ class Runtime:
 
         Every request gets a fresh internal id (`stream.request_id`) that keys all of its state;
         `client_request_id` is the caller's label for it, logged beside the internal id and
-        searchable with `mmserve trace`, and may be shared by any number of requests. (`request_id`:
+        searchable with `mmserve trace`, and may be shared by any number of requests (a body's vLLM
+        `request_id` is used when it is not given). (`request_id`:
         an internal id the HTTP layer minted already, never a client's.) A refused request logs one
         `request.rejected` line and counts in `mmserve:request_rejected_total`.
         """
@@ -280,6 +307,8 @@ class Runtime:
                     body["messages"] = messages
                 request = self.parse(body)
             request = self._bind_tools(request)  # a ChatRequest parsed elsewhere
+            # the body's vLLM `request_id` labels the request when the caller (header) gave none
+            client_request_id = client_request_id or request.options.client_request_id
             self.registry.configured(request.model)
             health = self.supervisor.health(request.model)  # a model that failed to load is tried again
             if not health.ok:  # fail fast: never queue behind a dead, hung or draining actor
