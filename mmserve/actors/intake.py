@@ -184,6 +184,9 @@ class Intake(Actor):
                 self.progressed()
                 self.in_flight[msg.handle.request_id] = msg.handle
                 nursery.start_soon(self._prepare, msg)
+                # the task holds it now; bound here, the loop variable would keep the last request
+                # (its images' data URLs, its output channel) alive until the next one arrives
+                del msg
 
     async def _fetch(self, handle: RequestHandle, urls: dict, log) -> dict | None:
         """Fetches the request's remote images; None when the caller left (the fetch is cancelled).
