@@ -232,6 +232,29 @@ async def test_a_model_serving_a_live_request_is_not_unloaded(demo_config, handl
         assert_released(handles, 5)
 
 
+async def test_an_intake_restarted_while_a_lookup_waits_leaves_nothing_in_the_cache_manager(
+        demo_config, handles, monkeypatch):
+    """Intake is declared hung (stall_timeout_s 0.5) while a request waits for its prefix lookup
+    (the manager takes 0.8 s to answer it) and restarted: the cancelled wait releases the lookup
+    itself, so the manager forgets the request — no lookup record, no pinned block — instead of
+    keeping it until the manager's own next restart."""
+    monkeypatch.setenv("MMSERVE_FAULT_HANG_S", "0.8")
+    config = one_model(demo_config, supervisor={"stall_timeout_s": 0.5, "restart_backoff_s": 0.02})
+    async with Runtime.open(config) as rt:
+        faults.configure("prefix.lookup[waits]=hang")
+        assert await expect_error(rt.chat_completion(ask(IMG), temperature=0, max_tokens=2, client_request_id="waits"),
+                                  ServiceUnavailable) == 503
+        faults.configure(None)
+        manager = rt.registry.require("demo").prefix_cache
+        await wait_until(lambda: rt.health().ok and not manager.looked_up, what="the lookup released")
+        # the manager answered in time: it was not restarted (a restart forgets everything anyway)
+        assert rt.supervisor.states["intake"].restarts == 1
+        assert rt.supervisor.states["prefix_cache[demo]"].restarts == 0
+        await settled(rt)
+        assert_released(handles, 1)
+        assert (await rt.chat_completion(ask(IMG), temperature=0, max_tokens=4)).text.strip() == "red"
+
+
 # -- memory ------------------------------------------------------------------------------------------
 
 NOISE_SIDE = 1160  # RGB noise does not compress: 1160 x 1160 x 3 bytes is a ~4 MB PNG
