@@ -95,17 +95,18 @@ class Bench:
             await compute.run(self._ref.time, self.ask(next(self._warmups)), 0, 1)
         return await compute.run(self._ref.time, messages, hit, repeats)
 
-    def config(self, prefix: bool = True, encoder: bool = True):
+    def config(self, prefix: bool = True, encoder: bool = True, **overrides):
+        """The bench model's config; `overrides`: sections or keys to change (`Config.replace`)."""
         p = self.params
         return bench_config(self.model_dir, p.torch_threads, prefix=prefix, encoder=encoder, device=p.device,
-                            dtype=p.dtype, kv_budget_bytes=p.kv_budget_bytes())
+                            dtype=p.dtype, kv_budget_bytes=p.kv_budget_bytes()).replace(**overrides)
 
     @asynccontextmanager
-    async def runtime(self, prefix: bool = True, encoder: bool = True):
+    async def runtime(self, prefix: bool = True, encoder: bool = True, **overrides):
         """An embedded Runtime, warmed up by one request (on an image no scenario uses)."""
         self.note(f"starting runtime (prefix cache {'on' if prefix else 'off'}, encoder cache {'on' if encoder else 'off'})")
         try:
-            async with open_runtime(self.config(prefix, encoder)) as rt:
+            async with open_runtime(self.config(prefix, encoder, **overrides)) as rt:
                 await timed_chat(rt, self.ask(next(self._warmups), QUESTIONS[1]), 2)
                 yield rt
         finally:
