@@ -204,6 +204,9 @@ class Intake(Actor):
                 self.progressed()
                 self.in_flight[msg.handle.request_id] = msg.handle
                 nursery.start_soon(self._prepare, msg)
+                # the task holds it now; bound here, the loop variable would keep the last request
+                # (its images' data URLs, its output channel) alive until the next one arrives
+                del msg
 
     async def _fetch(self, handle: RequestHandle, urls: dict, log) -> dict | None:
         """Fetches the request's remote images; None when the caller left (the fetch is cancelled).
@@ -319,15 +322,22 @@ class Intake(Actor):
             return PrefixState(hashes)
         reply, answers = trio.open_memory_channel(1)
         prefix_cache.send_nowait(Lookup(handle.request_id, wanted, reply, handle.client_request_id))
-        # closed on the way out: an answer that comes too late finds no one, and the manager
-        # releases what it pinned for it at once
-        with answers, trio.move_on_after(self.lookup_wait_s):
-            answer = await answers.receive()
-            if isinstance(answer, PrefixFailed):
-                self.fail_request(handle, answer.error, answer.stage)
-                prefix_cache.send_nowait(Release(handle.request_id))  # every lookup is settled by one
-                return None
-            return PrefixState(hashes, answer.blocks, len(answer.blocks) * self.block_size, True, answer.epoch)
-        # blocks granted after this are the request's still: its Release (at its end) frees them
-        self.log.warning("intake.lookup_timeout", request_id=handle.request_id, waited_s=self.lookup_wait_s)
-        return PrefixState(hashes, registered=True)
+        settled = False  # the lookup is answered: its Release is sent below, or at the request's end
+        try:
+            # closed on the way out: an answer that comes too late finds no one, and the manager
+            # releases what it pinned for it at once
+            with answers, trio.move_on_after(self.lookup_wait_s):
+                answer = await answers.receive()
+                settled = True
+                if isinstance(answer, PrefixFailed):
+                    self.fail_request(handle, answer.error, answer.stage)
+                    prefix_cache.send_nowait(Release(handle.request_id))  # every lookup is settled by one
+                    return None
+                return PrefixState(hashes, answer.blocks, len(answer.blocks) * self.block_size, True, answer.epoch)
+            # blocks granted after this are the request's still: its Release (at its end) frees them
+            settled = True
+            self.log.warning("intake.lookup_timeout", request_id=handle.request_id, waited_s=self.lookup_wait_s)
+            return PrefixState(hashes, registered=True)
+        finally:
+            if not settled:  # cancelled while waiting (intake restarting): no one else will
+                prefix_cache.send_nowait(Release(handle.request_id))

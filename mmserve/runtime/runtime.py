@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -67,7 +68,9 @@ class Runtime:
         self.intake = Intake(config.limits, self._route, config.kv_cache, config.generator.lookup_timeout_s)
         self.log = get_logger("runtime")
         self.started = time.time()
-        self._live: set[RequestHandle] = set()
+        # every request admitted and not yet gone, held weakly: a handle leaves with its last
+        # reference (its caller's stream, the actor holding it), never by a prune that may not run
+        self._live: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
         self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
         self.metrics = Metrics()
         self.metrics.attach(self)
@@ -337,9 +340,8 @@ class Runtime:
 
     def _admit_or_refuse(self) -> None:
         """Back-pressure: beyond `max_pending_requests` in flight, refuse with 429 + Retry-After."""
-        self._live = {h for h in self._live if h.active}
         limit = self.config.limits.max_pending_requests
-        if len(self._live) >= limit:
+        if len(self._in_flight()) >= limit:
             raise Overloaded(f"mmserve is at its limit of {limit} requests in flight; retry shortly",
                              retry_after_s=1.0)
 
