@@ -115,7 +115,7 @@ def parse_json(raw: bytes):
 
 
 def _decode_utf8(raw: bytes) -> str:
-    if len(raw) <= _DECODE_PIECE:
+    if len(raw) <= _DECODE_PIECE or raw.isascii():  # ASCII (a data URL's body): one fast copy
         return raw.decode("utf-8")
     decoder = codecs.getincrementaldecoder("utf-8")()  # a character split across pieces is kept
     view = memoryview(raw)
