@@ -144,8 +144,7 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        body = await bodies.read(rt.config.server.max_body_bytes)
-        parsed = rt.parse(body)
+        parsed = await bodies.read(rt.config.server.max_body_bytes, then=rt.parse)
         stream = rt.chat(request=parsed, client_request_id=g.client_request_id, request_id=g.request_id)
         g.request_id = stream.request_id
         if not parsed.stream:
@@ -163,8 +162,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     @app.post("/v1/completions")
     async def completions():
         """OpenAI's legacy completions: one request per prompt on the chat path, untemplated."""
-        body = await bodies.read(rt.config.server.max_body_bytes)
-        parsed = rt.parse_completions(body)
+        parsed = await bodies.read(rt.config.server.max_body_bytes, then=rt.parse_completions)
         streams: list[ChatStream] = []
         try:
             for one in parsed:

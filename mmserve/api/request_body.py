@@ -76,25 +76,28 @@ class JsonBodies:
     def __init__(self, threads: int = PARSE_THREADS):
         self.limiter = trio.CapacityLimiter(threads)
 
-    async def read(self, limit: int, *, empty=None):
-        """The request's body read (`read_body`) and parsed (`parse`); the body guard's place is
-        given back once it is parsed, refused or not. With `empty` given, a blank body is that
-        value (no Content-Type needed); otherwise it is refused like any body that is not JSON."""
+    async def read(self, limit: int, *, empty=None, then=None):
+        """The request's body read (`read_body`) and parsed (`parse`), then passed to `then` (a
+        pure validation such as `Runtime.parse`: for a large body it runs on the same thread, since
+        it walks every string too); the body guard's place is given back once that is done,
+        refused or not. With `empty` given, a blank body is that value (no Content-Type needed);
+        otherwise it is refused like any body that is not JSON."""
         try:
             chunks = await read_body(limit)
             if empty is not None and not b"".join(chunks).strip():  # an admin body: small
                 return empty
-            return await self.parse(chunks, request.headers.get("content-type"))
+            return await self.parse(chunks, request.headers.get("content-type"), then)
         finally:
             release_body(request.scope)
 
-    async def parse(self, chunks: list[bytes], content_type: str | None):
+    async def parse(self, chunks: list[bytes], content_type: str | None, then=None):
         """The parsed JSON body (given as its chunks), or a 4xx naming what is wrong with it."""
         check_json_content_type(content_type)
+        then = then or (lambda body: body)
         if sum(map(len, chunks)) <= THREAD_PARSE_BYTES:
-            return parse_json(b"".join(chunks))
+            return then(parse_json(b"".join(chunks)))
         # joined on the thread too: a large join copies with the GIL released, the loop runs on
-        return await trio.to_thread.run_sync(lambda: parse_json(b"".join(chunks)), limiter=self.limiter)
+        return await trio.to_thread.run_sync(lambda: then(parse_json(b"".join(chunks))), limiter=self.limiter)
 
 
 def parse_json(raw: bytes):
