@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -33,43 +32,59 @@ def stalled(server, length: int = 1000, headers: dict | None = None, path: str =
     return sock
 
 
+POLLER = r"""
+import json, select, socket, sys, time
+host, port, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+sock = socket.create_connection((host, port))
+request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+latencies, statuses, buf = [], [], b""
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    t0 = time.perf_counter()
+    sock.sendall(request)
+    while b"\r\n\r\n" not in buf:
+        buf += sock.recv(65536)
+    head, buf = buf.split(b"\r\n\r\n", 1)
+    length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0].split(b":")[1])
+    while len(buf) < length:
+        buf += sock.recv(65536)
+    buf = buf[length:]
+    latencies.append(time.perf_counter() - t0)
+    statuses.append(int(head.split(b" ")[1]))
+    time.sleep(pause)
+print(json.dumps({"latencies": latencies, "statuses": statuses}), flush=True)
+"""
+
+
 class HealthPoller:
-    """Polls /health on one kept-alive connection from a thread, recording each answer's latency."""
+    """Polls /health on one kept-alive connection from another process (so that neither its own
+    work nor the test's competes with the server for this process's GIL), recording each answer's
+    latency as that client sees it."""
 
     def __init__(self, server, pause_s: float = 0.005):
-        self.sock, self.pause_s = connect(server), pause_s
-        self.reader, self.latencies, self.statuses = Reader(self.sock), [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        request = raw_request("GET", "/health")
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            self.sock.sendall(request)
-            status, _, _ = self.reader.response()
-            self.latencies.append(time.perf_counter() - t0)
-            self.statuses.append(status)
-            time.sleep(self.pause_s)
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        self.proc = subprocess.Popen([sys.executable, "-c", POLLER, host, port, str(pause_s)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.latencies: list[float] = []
+        self.statuses: list[int] = []
 
     def __enter__(self) -> "HealthPoller":
-        self._thread.start()
+        assert self.proc.stdout.readline().strip() == "ready"
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.sock.close()
-
-    def summary(self) -> str:
-        ordered = sorted(self.latencies)
-        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-        return f"/health n={len(ordered)} p50={ordered[len(ordered) // 2] * 1e3:.1f} ms " \
-               f"p99={p99 * 1e3:.1f} ms max={ordered[-1] * 1e3:.1f} ms"
+        out, _ = self.proc.communicate(input="stop\n", timeout=30)
+        result = json.loads(out)
+        self.latencies, self.statuses = result["latencies"], result["statuses"]
 
     def p99(self) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+    def summary(self) -> str:
+        ordered = sorted(self.latencies)
+        return (f"/health n={len(ordered)} p50={ordered[len(ordered) // 2] * 1e3:.1f} ms "
+                f"p99={self.p99() * 1e3:.1f} ms max={ordered[-1] * 1e3:.1f} ms")
 
 
 def assert_error(status, headers, body, want_status: int, want_code: str) -> dict:
