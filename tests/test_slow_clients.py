@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from tests.helpers import ServerThread
@@ -250,3 +251,18 @@ def test_two_30_mb_bodies_at_once_leave_health_under_50_ms(tiny_config, tmp_path
     assert all(r.count("413") == 2 for r in replies), replies
     assert set(health.statuses) == {200} and len(health.latencies) > 50
     assert health.p99() < HEALTH_BOUND_S, health.summary()
+
+
+def test_a_parsed_body_gives_its_place_back_while_its_request_runs_on(tiny_config):
+    """max_bodies_in_flight = 1: a long stream in flight does not hold the one place, since its
+    body was parsed long ago; a second request with a body is served meanwhile."""
+    import httpx
+
+    config = tiny_config.replace(server={"max_bodies_in_flight": 1})
+    with ServerThread(config) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 2000,
+                                                            "min_tokens": 2000}) as long:
+            lines = long.iter_lines()
+            next(lines)  # the stream is under way
+            r = c.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200, r.text
