@@ -126,6 +126,15 @@ class PayloadTooLarge(MMServeError):
     code = "payload_too_large"
 
 
+class RequestTimeout(MMServeError):
+    """The request's body did not arrive within `server.body_timeout_s` (HTTP 408); the connection
+    is closed, since the rest of the body may still come."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class UnprocessableImage(BadRequest):
     """An image that cannot be decoded, is of a refused format or shape, or could not be fetched
     (HTTP 400, as OpenAI answers; `code` invalid_image, image_too_large, image_fetch_failed or

@@ -53,6 +53,9 @@ class ServerConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, requests in flight get this long to finish
     keep_alive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
+    body_timeout_s: float = 30.0  # a request's whole body must arrive within this of its headers (else 408)
+    max_bodies_in_flight: int = 256  # requests whose body is being received or parsed; more get 503
+    max_body_bytes_in_flight: int = 256 * 1024 * 1024  # bytes of those bodies together; beyond, 503
 
     def __post_init__(self) -> None:
         w = "[server]"
@@ -61,6 +64,11 @@ class ServerConfig:
         check_int(w, "max_body_bytes", self.max_body_bytes, 1)
         check_number(w, "shutdown_grace_s", self.shutdown_grace_s, 0)
         check_number(w, "keep_alive_timeout_s", self.keep_alive_timeout_s, 0, lo_open=True)
+        check_number(w, "body_timeout_s", self.body_timeout_s, 0, lo_open=True)
+        check_int(w, "max_bodies_in_flight", self.max_bodies_in_flight, 1)
+        # one body of the largest accepted size must fit, or such a request could never be served
+        check_int(w, "max_body_bytes_in_flight", self.max_body_bytes_in_flight, self.max_body_bytes,
+                  bound=f"of at least max_body_bytes ({self.max_body_bytes})")
 
 
 @dataclass(frozen=True)
