@@ -28,7 +28,7 @@ from mmserve.actors.faults import fault
 from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
-    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
+    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Quarantine, Refill, Release, StepReturned, TokenEvent)
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
@@ -75,6 +75,7 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
         self.reencoded_images = 0  # images preempted sequences encoded again (their cached KV was gone)
         self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
+        self._step_ids = itertools.count()  # each step's own number: the quarantine of an abandoned one
         self.kv_epoch: int | None = None  # the latest life of the cache manager heard of
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
@@ -238,7 +239,7 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         self._step_end = None
         try:
             results = await compute.run(self._step, plan, self._copies, self._incarnation, abandon_on_cancel=True,
-                                        owner=self.key)
+                                        owner=self.key, if_abandoned=self._quarantine(plan))
         finally:
             self._release_copies()
         self._step_end = time.monotonic()
@@ -275,6 +276,35 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         return plan
 
     # -- the forward (compute thread) ----------------------------------------------------------
+
+    def _quarantine(self, plan: list[Planned]):
+        """What to do if this step is abandoned while it still runs (a restart by the stall
+        watchdog): every block it may write — its sequences' tables (only their new tokens' blocks
+        are written, the rest read) and the copies' targets — is quarantined by the manager, in a
+        report sent at once, before the releases of its sequences; the step's own return (the
+        compute thread's call really finished, or dropped unrun) ends the quarantine."""
+        step, copies = next(self._step_ids), list(self._copies)
+        token, manager = trio.lowlevel.current_trio_token(), self.cache_manager
+
+        def returned() -> None:  # on the compute thread (or wherever the step settles)
+            def deliver() -> None:
+                try:
+                    manager.send_nowait(StepReturned(step))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                    pass  # the manager is gone, and its arena with it
+            try:
+                token.run_sync_soon(deliver)
+            except trio.RunFinishedError:
+                pass  # the process is ending: nobody will grant those blocks again
+
+        def abandoned():  # in the cancelled generator, before anything it holds is released
+            written = tuple(dict.fromkeys([b for p in plan for b in p.seq.table] + [c.target for c in copies]))
+            self.log.warning("generator.step_abandoned", step=step, blocks=len(written),
+                             request_ids=[p.seq.request_id for p in plan])
+            self._note(Quarantine(step, written))
+            self._report()
+            return returned
+        return abandoned
 
     def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int) -> list:
         """Forked choices' block copies, then one forward over every planned sequence's new tokens,
@@ -316,6 +346,7 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         fault("generator.step")
         if incarnation != self._incarnation:  # abandoned (a hang, then a restart): its blocks are gone
             return results
+        fault("generator.forward")  # past that check: a step slowed here writes after its abandonment
         wanted = [(r, i) for r, i in enumerate(rows) if plan[i].seq.kv_len + plan[i].tokens == plan[i].seq.target_len]
         constrained = [plan[i].seq for _, i in wanted if plan[i].seq.matcher is not None]
         masks = MaskJob(self.grammars, [s.matcher for s in constrained]) if constrained else None

@@ -42,8 +42,8 @@ from mmserve.actors.reservation_side import ReservationSide, send as _send
 from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
-    ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release, Resume, Resumed,
-    StepReport, copy_pin, lookup_pin)
+    ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Quarantine, Release, Resume,
+    Resumed, StepFence, StepReport, StepReturned, copy_pin, lookup_pin)
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
@@ -70,6 +70,10 @@ class PrefixCacheManager(ReservationSide, Actor):
         self.shared_restored = 0  # blocks restored from the shared tier
         self.last_report = -1  # the latest step report handled: kept across restarts (never reused)
         self.refused_draws = 0  # draws of blocks the reservation did not hold (each failed its request)
+        # abandoned steps still running → the blocks they may write: held under `StepFence(step)`
+        # in the arena (so never allocated) until `StepReturned(step)`; kept across restarts
+        self.quarantined: dict[int, tuple[int, ...]] = {}
+        self.returned_steps: set[int] = set()  # returned before their quarantine came: none is needed
         self._reset()
 
     def _reset(self) -> None:
@@ -84,6 +88,14 @@ class PrefixCacheManager(ReservationSide, Actor):
         self.epoch += 1
         if self.kv is not None:  # a step of an earlier epoch no longer writes (see `_restore`)
             self.kv.epoch = self.epoch
+        for step, blocks in self.quarantined.items():  # an abandoned step writes on, whatever life this is
+            self.arena.hold(StepFence(step), blocks)
+
+    def attach_kv(self, runner) -> None:
+        """The generator's model runner: its arena's epoch is this manager's life from now on (the
+        fence a step checks before it writes, shared tier or not); exports and restores use it."""
+        self.kv = runner
+        runner.epoch = self.epoch
 
     async def run(self) -> None:
         if self.epoch > 1 and self.generator is not None:  # restarted: the generator's tables are void
@@ -114,6 +126,8 @@ class PrefixCacheManager(ReservationSide, Actor):
         elif isinstance(msg, Release):
             await afault("prefix.release", msg.request_id)
             self._release(msg)
+        elif isinstance(msg, StepReturned):
+            self._step_returned(msg)
         elif isinstance(msg, SharedBlocks):
             await self._restore(msg)
         elif isinstance(msg, Fork):
@@ -289,6 +303,38 @@ class PrefixCacheManager(ReservationSide, Actor):
         self.log.info("prefix_cache.release", request_id=rid)
         self._done(rid)
 
+    # -- quarantine: blocks an abandoned step may still write ------------------------------------
+
+    def _quarantine(self, entry: Quarantine) -> None:
+        """The step was abandoned while it ran: its blocks stay held (under `StepFence`), whoever
+        releases them, until it returns. One that has returned already needs nothing."""
+        if entry.step in self.returned_steps:
+            self.returned_steps.discard(entry.step)
+            return
+        if entry.step in self.quarantined or not entry.blocks:
+            return  # a duplicate
+        blocks = tuple(b for b in dict.fromkeys(entry.blocks) if 0 <= b < self.num_blocks)
+        self.quarantined[entry.step] = blocks
+        self.arena.hold(StepFence(entry.step), blocks)
+        self.log.warning("prefix_cache.quarantined", step=entry.step, blocks=list(blocks),
+                         quarantined_blocks=self.quarantined_blocks)
+
+    def _step_returned(self, msg: StepReturned) -> None:
+        """The abandoned step returned: it writes nothing any more, its blocks go back (those
+        others still hold stay theirs). A late or duplicate message changes nothing."""
+        blocks = self.quarantined.pop(msg.step, None)
+        if blocks is None:
+            self.returned_steps.add(msg.step)  # its quarantine, if it comes, is void
+            return
+        self.arena.free(StepFence(msg.step))
+        self.log.info("prefix_cache.quarantine_released", step=msg.step, blocks=list(blocks),
+                      quarantined_blocks=self.quarantined_blocks)
+
+    @property
+    def quarantined_blocks(self) -> int:
+        """Blocks held only for abandoned steps still running (never granted meanwhile)."""
+        return len({b for blocks in self.quarantined.values() for b in blocks})
+
     # -- the shared tier (Redis) under the arena ------------------------------------------------------
 
     def _ask_shared(self, msg: Lookup, local: int, waited_since: float | None) -> bool:
@@ -372,4 +418,5 @@ class PrefixCacheManager(ReservationSide, Actor):
                     refused_draws=self.refused_draws, block_size=self.block_size, waiting_lookups=len(self.inflight),
                     inflight_blocks=self.inflight.registered_blocks, dedup_waits=self.dedup_waits,
                     hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size,
-                    shared_restored_blocks=self.shared_restored)
+                    shared_restored_blocks=self.shared_restored, quarantined_blocks=self.quarantined_blocks,
+                    quarantined_steps=len(self.quarantined))

@@ -28,7 +28,8 @@ the indices of blocks an owner holds); eviction is least recently *released* fir
 from its tail, and a hit takes a block out of the LRU order (F5); `can_allocate(n)` is true
 exactly when `allocate(owner, n)` would succeed; `claim` takes one named free block as `allocate`
 would, and `move` hands blocks from one table to another without touching a refcount (a
-reservation's blocks drawn by a request).
+reservation's blocks drawn by a request); `hold` references named blocks whatever their state, so
+that none of them is allocated while its owner holds them (an abandoned step's quarantine).
 """
 
 from __future__ import annotations
@@ -206,6 +207,26 @@ class BlockArena:
         self._referenced += 1
         self._allocated_blocks += 1
         return True
+
+    def hold(self, owner: Hashable, blocks: Iterable[int]) -> list[int]:
+        """Each of `blocks` (duplicates once) gets one reference more, under `owner`, whatever its
+        state: a free one is taken as `claim` takes it, an evictable one leaves the LRU order (its
+        entry stays: hits may still share it), a referenced one is shared. So none of them can be
+        allocated until `owner` is freed — the blocks an abandoned step may still write (a
+        quarantine). `owner` must hold nothing (ValueError, changing nothing); returns its table."""
+        hash(owner)
+        wanted = list(dict.fromkeys(blocks))
+        for block in wanted:
+            self._check_block(block)
+        if owner in self._tables:
+            raise ValueError(f"owner {owner!r} holds blocks: a hold starts an empty table")
+        for block in wanted:
+            if block in self._free:
+                self._free.take(block)
+            self._ref(block)
+        if wanted:
+            self._tables[owner] = wanted
+        return list(wanted)
 
     def move(self, src: Hashable, dst: Hashable, blocks: Sequence[int]) -> None:
         """`blocks`, each in `src`'s table, leave it and are appended to `dst`'s table in this order
