@@ -34,7 +34,7 @@ from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_pro
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
-from mmserve.errors import BadRequest, MMServeError, ServiceUnavailable
+from mmserve.errors import ExceedsCapacity, MMServeError, ServiceUnavailable
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.step_sampling import sample_rows_and
@@ -167,9 +167,16 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         seq.matcher = matchers[0]
         seq.forks = [(make_generator(params, c), matchers[c]) for c in range(1, params.n)]
         if -(-(seq.target_len + 1) // self.block_size) > self.kv.num_blocks:
-            self._fail(seq, BadRequest(
+            # (an image span, never split, is part of it: one larger than the arena is refused here)
+            self._fail(seq, ExceedsCapacity(
                 f"the prompt needs {seq.target_len} tokens of KV; this server's KV cache holds "
-                f"{self.kv.num_blocks * self.block_size}", param="messages", code="context_length_exceeded"), "admission")
+                f"{self.kv.num_blocks * self.block_size} (kv_cache.budget_bytes)", param="messages"), "admission")
+            return
+        if params.n > self.config.max_batched_tokens:  # its choices' decode rows would never fit a step
+            self._fail(seq, ExceedsCapacity(
+                f"n = {params.n} choices need {params.n} rows in every step; this server's steps carry "
+                f"{self.config.max_batched_tokens} tokens (generator.max_batched_tokens)", param="n",
+                code="exceeds_step_budget"), "admission")
             return
         self.seqs.append(seq)
         self.in_flight[seq.request_id] = seq.handle
