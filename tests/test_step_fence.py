@@ -125,3 +125,36 @@ async def test_the_manager_holds_a_quarantine_across_releases_and_restarts_until
     await report(Quarantine(9, (3,)))
     assert manager.stats()["quarantined_blocks"] == 0 and manager.arena.can_allocate(8)
     manager.arena.check_invariants()
+
+
+async def test_compute_guards_an_abandoned_step_until_it_ends_or_is_dropped_unrun():
+    """`compute.run(if_abandoned=...)`: a caller that gives up on a step still running or queued
+    guards it, and the guard ends only when that step has returned — or, queued on a thread that
+    was replaced, was dropped without running; a step that returned first needs no guard."""
+    import threading
+    import time
+
+    from mmserve.actors import compute
+
+    gate, log = threading.Event(), []
+
+    def guard(name):
+        def abandoned():
+            log.append(("abandoned", name))
+            return lambda: log.append(("ended", name))
+        return abandoned
+
+    assert await compute.run(time.sleep, 0, abandon_on_cancel=True, if_abandoned=guard("quick")) is None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: compute.run(gate.wait, 10, abandon_on_cancel=True, if_abandoned=guard("running")))
+        await wait_until(lambda: compute.busy_for() > 0, 5, what="the step running")
+        nursery.start_soon(lambda: compute.run(time.sleep, 0, abandon_on_cancel=True, if_abandoned=guard("queued")))
+        await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert sorted(log) == [("abandoned", "queued"), ("abandoned", "running")]
+    compute.replace("test: a step hung")  # the queued step is dropped: it will never write
+    await wait_until(lambda: ("ended", "queued") in log, 5, what="the dropped step's guard ended")
+    assert ("ended", "running") not in log  # still running: still guarded
+    gate.set()
+    await wait_until(lambda: ("ended", "running") in log, 5, what="the running step's guard ended")
+    assert len(log) == 4 and not any(name == "quick" for _, name in log)
