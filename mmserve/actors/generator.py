@@ -28,23 +28,24 @@ from mmserve.actors.faults import fault
 from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
-    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Quarantine, Refill, Release, StepReturned, TokenEvent)
+    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
+from mmserve.actors.step_fences import StepFences
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
-from mmserve.errors import ExceedsCapacity, MMServeError, ServiceUnavailable
+from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.step_sampling import sample_rows_and
-from mmserve.generation.scheduler import Planned, plan_step
+from mmserve.generation.scheduler import Planned, never_fits, plan_step
 from mmserve.models.adapter import Adapter
 from mmserve.generation.runner import ModelRunner, StepInputs
 from mmserve.models.paged import Segment
 
 
-class Generator(BlockGrants, Answers, Forking, Actor):
+class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
     name = "generator"
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
@@ -166,17 +167,10 @@ class Generator(BlockGrants, Answers, Forking, Actor):
             return
         seq.matcher = matchers[0]
         seq.forks = [(make_generator(params, c), matchers[c]) for c in range(1, params.n)]
-        if -(-(seq.target_len + 1) // self.block_size) > self.kv.num_blocks:
-            # (an image span, never split, is part of it: one larger than the arena is refused here)
-            self._fail(seq, ExceedsCapacity(
-                f"the prompt needs {seq.target_len} tokens of KV; this server's KV cache holds "
-                f"{self.kv.num_blocks * self.block_size} (kv_cache.budget_bytes)", param="messages"), "admission")
-            return
-        if params.n > self.config.max_batched_tokens:  # its choices' decode rows would never fit a step
-            self._fail(seq, ExceedsCapacity(
-                f"n = {params.n} choices need {params.n} rows in every step; this server's steps carry "
-                f"{self.config.max_batched_tokens} tokens (generator.max_batched_tokens)", param="n",
-                code="exceeds_step_budget"), "admission")
+        refusal = never_fits(seq.target_len, params.n, self.kv.num_blocks, self.block_size,
+                             self.config.max_batched_tokens)
+        if refusal is not None:
+            self._fail(seq, refusal, "admission")
             return
         self.seqs.append(seq)
         self.in_flight[seq.request_id] = seq.handle
@@ -283,35 +277,6 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         return plan
 
     # -- the forward (compute thread) ----------------------------------------------------------
-
-    def _quarantine(self, plan: list[Planned]):
-        """What to do if this step is abandoned while it still runs (a restart by the stall
-        watchdog): every block it may write — its sequences' tables (only their new tokens' blocks
-        are written, the rest read) and the copies' targets — is quarantined by the manager, in a
-        report sent at once, before the releases of its sequences; the step's own return (the
-        compute thread's call really finished, or dropped unrun) ends the quarantine."""
-        step, copies = next(self._step_ids), list(self._copies)
-        token, manager = trio.lowlevel.current_trio_token(), self.cache_manager
-
-        def returned() -> None:  # on the compute thread (or wherever the step settles)
-            def deliver() -> None:
-                try:
-                    manager.send_nowait(StepReturned(step))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                    pass  # the manager is gone, and its arena with it
-            try:
-                token.run_sync_soon(deliver)
-            except trio.RunFinishedError:
-                pass  # the process is ending: nobody will grant those blocks again
-
-        def abandoned():  # in the cancelled generator, before anything it holds is released
-            written = tuple(dict.fromkeys([b for p in plan for b in p.seq.table] + [c.target for c in copies]))
-            self.log.warning("generator.step_abandoned", step=step, blocks=len(written),
-                             request_ids=[p.seq.request_id for p in plan])
-            self._note(Quarantine(step, written))
-            self._report()
-            return returned
-        return abandoned
 
     def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int) -> list:
         """Forked choices' block copies, then one forward over every planned sequence's new tokens,

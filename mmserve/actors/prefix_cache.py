@@ -38,12 +38,13 @@ import trio
 
 from mmserve.actors import compute
 from mmserve.actors.base import Actor
+from mmserve.actors.quarantine_side import QuarantineSide
 from mmserve.actors.reservation_side import ReservationSide, send as _send
 from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
-    ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Quarantine, Release, Resume,
-    Resumed, StepFence, StepReport, StepReturned, copy_pin, lookup_pin)
+    ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release, Resume, Resumed,
+    StepFence, StepReport, StepReturned, copy_pin, lookup_pin)
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
@@ -53,7 +54,7 @@ from mmserve.config import KVCacheConfig
 from mmserve.errors import MMServeError
 
 
-class PrefixCacheManager(ReservationSide, Actor):
+class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
     name = "prefix_cache"
 
     def __init__(self, model: str, config: KVCacheConfig, num_blocks: int):
@@ -302,38 +303,6 @@ class PrefixCacheManager(ReservationSide, Actor):
             self.looked_up.discard(rid)
         self.log.info("prefix_cache.release", request_id=rid)
         self._done(rid)
-
-    # -- quarantine: blocks an abandoned step may still write ------------------------------------
-
-    def _quarantine(self, entry: Quarantine) -> None:
-        """The step was abandoned while it ran: its blocks stay held (under `StepFence`), whoever
-        releases them, until it returns. One that has returned already needs nothing."""
-        if entry.step in self.returned_steps:
-            self.returned_steps.discard(entry.step)
-            return
-        if entry.step in self.quarantined or not entry.blocks:
-            return  # a duplicate
-        blocks = tuple(b for b in dict.fromkeys(entry.blocks) if 0 <= b < self.num_blocks)
-        self.quarantined[entry.step] = blocks
-        self.arena.hold(StepFence(entry.step), blocks)
-        self.log.warning("prefix_cache.quarantined", step=entry.step, blocks=list(blocks),
-                         quarantined_blocks=self.quarantined_blocks)
-
-    def _step_returned(self, msg: StepReturned) -> None:
-        """The abandoned step returned: it writes nothing any more, its blocks go back (those
-        others still hold stay theirs). A late or duplicate message changes nothing."""
-        blocks = self.quarantined.pop(msg.step, None)
-        if blocks is None:
-            self.returned_steps.add(msg.step)  # its quarantine, if it comes, is void
-            return
-        self.arena.free(StepFence(msg.step))
-        self.log.info("prefix_cache.quarantine_released", step=msg.step, blocks=list(blocks),
-                      quarantined_blocks=self.quarantined_blocks)
-
-    @property
-    def quarantined_blocks(self) -> int:
-        """Blocks held only for abandoned steps still running (never granted meanwhile)."""
-        return len({b for blocks in self.quarantined.values() for b in blocks})
 
     # -- the shared tier (Redis) under the arena ------------------------------------------------------
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Protocol, Sequence
 
+from mmserve.errors import ExceedsCapacity
+
 
 class Schedulable(Protocol):
     kv_len: int  # tokens whose KV is in the arena
@@ -140,6 +142,20 @@ def _rows(seq: Schedulable) -> int:
 def _planned(seq: Schedulable, tokens: int, block_size: int, decode: bool) -> Planned:
     need = max(0, blocks_for(seq.kv_len + tokens, block_size) - seq.table_len)
     return Planned(seq, tokens, need, decode)
+
+
+def never_fits(tokens: int, n: int, num_blocks: int, block_size: int, max_batched_tokens: int) -> ExceedsCapacity | None:
+    """Why a request of `tokens` tokens of KV (its prompt: an image span, never split, is part of
+    it) and `n` choices could never run here — refused at admission rather than left waiting —
+    or None: its KV and the next token's must fit the arena, and its n decode rows a step."""
+    if blocks_for(tokens + 1, block_size) > num_blocks:
+        return ExceedsCapacity(f"the prompt needs {tokens} tokens of KV; this server's KV cache holds "
+                               f"{num_blocks * block_size} (kv_cache.budget_bytes)", param="messages")
+    if n > max_batched_tokens:
+        return ExceedsCapacity(f"n = {n} choices need {n} rows in every step; this server's steps carry "
+                               f"{max_batched_tokens} tokens (generator.max_batched_tokens)", param="n",
+                               code="exceeds_step_budget")
+    return None
 
 
 def newest(candidates: Sequence[Schedulable]) -> Schedulable | None:
