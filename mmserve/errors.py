@@ -80,6 +80,14 @@ class BadRequest(MMServeError):
     type = "invalid_request_error"
 
 
+class ExceedsCapacity(BadRequest):
+    """The request could never run on this server as configured — it needs more KV blocks than the
+    arena holds, or more rows than a step carries: refused at admission (the message names the
+    limit and its config key) rather than left waiting forever."""
+
+    code = "context_length_exceeded"
+
+
 class UnsupportedParameter(BadRequest):
     """A valid OpenAI parameter that mmserve does not implement: refused, never silently ignored."""
 

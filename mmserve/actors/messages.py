@@ -214,7 +214,7 @@ class StepReport:
     number: int
     epoch: int | None
     lease: int
-    entries: tuple[Any, ...]  # Draw | Commit | Release, in order
+    entries: tuple[Any, ...]  # Draw | Commit | Release | Quarantine, in order
     want: int
     reply: trio.MemorySendChannel  # the generator's inbox: the refill, and per-request failures
     hints: tuple[tuple[str, int | None, int], ...] = ()
@@ -237,6 +237,39 @@ class Refill:
     blocks: tuple[int, ...]
     free_blocks: int
     earmarks: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepFence:
+    """The arena's owner of the blocks an abandoned step may still write (`Quarantine`): held by
+    nobody else, granted to nobody, until that step's thread call has returned (`StepReturned`).
+    Never a request's id (those are strings), so never confused with one."""
+
+    step: int
+
+    def __str__(self) -> str:
+        return f"quarantine:{self.step}"
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """A step report's entry (before the releases of that step's sequences): the step `step` was
+    abandoned (its generator restarted while the compute thread still ran it) and may still write
+    into `blocks` — every block of the tables it was given, copy targets included. The manager holds
+    them under `StepFence(step)` whatever their owners release, in any life of its own (a reset
+    carries them over), until `StepReturned(step)`."""
+
+    step: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepReturned:
+    """Compute thread (via the event loop) → manager: the abandoned step `step` has returned (its
+    device work done): it writes nothing any more, its quarantined blocks go back. A late or
+    duplicate one changes nothing."""
+
+    step: int
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,13 @@ class DecodeBuffers:
         self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # host staging (pinned on CUDA): the copies in are asynchronous, and the step's one
-        # transfer back (its sampled tokens) orders them before the next fill rewrites these
+        # host staging (pinned on CUDA): the copies in are asynchronous. A step's transfer back
+        # (its sampled tokens) would order them before the next fill rewrites these — but a step
+        # that samples nothing (a prefill chunk before its prompt's end) transfers nothing, so the
+        # copies record an event, and the next fill or clear waits for it (nothing on the CPU)
         pin = device.type == "cuda"
+        self._copied = torch.cuda.Event() if pin else None
+        self._pending = False
         self._host_ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
         self._host_positions = torch.zeros(rope_rows, max_batch, dtype=torch.long, pin_memory=pin)
         self._host_slots = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
@@ -74,6 +78,7 @@ class DecodeBuffers:
         widest = max(len(t) for t in tables)
         if widest > self.max_blocks:
             raise ValueError(f"a block table of {widest} blocks exceeds the static width {self.max_blocks}")
+        self._wait_copies()
         host_ids, host_pos = self._host_ids.numpy(), self._host_positions.numpy()
         host_slots, host_tables, host_lens = (self._host_slots.numpy(), self._host_tables.numpy(),
                                               self._host_seq_lens.numpy())
@@ -93,6 +98,7 @@ class DecodeBuffers:
 
     def clear(self, bucket: int) -> None:
         """Rows [0, bucket) become padding (what a capture at load runs on)."""
+        self._wait_copies()
         self._host_ids[:bucket] = 0
         self._host_positions[:, :bucket] = 0
         self._host_slots[:bucket] = self.scratch_slot
@@ -105,6 +111,15 @@ class DecodeBuffers:
                           (self.tables, self._host_tables), (self.seq_lens, self._host_seq_lens)):
             buf[:bucket].copy_(host[:bucket], non_blocking=True)  # rows
         self.positions[:, :bucket].copy_(self._host_positions[:, :bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
+
+    def _wait_copies(self) -> None:
+        """The last copies in have read the staging buffers: they may be rewritten."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
 
     def metadata(self, bucket: int) -> PagedMetadata:
         """The step's metadata as views of the buffers (host fields: only the bucket's shape)."""

@@ -108,6 +108,9 @@ class _RuntimeCollector:
                      "Fraction of KV blocks held by running requests (0-1); cached blocks nobody holds count as free.")
         kv_evictable = g("mmserve:kv_cache_evictable_perc",
                          "Fraction of KV blocks holding cached prefixes nobody holds (free to evict, 0-1).")
+        quarantined = g("mmserve:kv_cache_quarantined_blocks",
+                        "KV blocks held for model steps abandoned by a restart that still run (they may "
+                        "still write them): never granted until those steps return; 0 in steady state.")
         enc_bytes = g("mmserve:encoder_cache_bytes", "Bytes of encoder outputs held in the encoder cache.")
         pq = c("mmserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         ph = c("mmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -126,9 +129,10 @@ class _RuntimeCollector:
             blocks = kv["num_blocks"] or 1
             kv_usage.add_metric([name], kv["referenced_blocks"] / blocks)
             kv_evictable.add_metric([name], kv["evictable_blocks"] / blocks)
+            quarantined.add_metric([name], kv["quarantined_blocks"])
             pq.add_metric([name], kv["query_tokens"])
             ph.add_metric([name], kv["hit_tokens"])
-        yield from (running, waiting, kv_usage, kv_evictable, enc_bytes, pq, ph, mq, mh)
+        yield from (running, waiting, kv_usage, kv_evictable, quarantined, enc_bytes, pq, ph, mq, mh)
         yield from _shared_tier_metrics(rt, g, c)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():

@@ -154,6 +154,7 @@ class Runtime:
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics)
         manager.generator = generator.inbox_send
+        manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
         encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
         return {"prefix_cache": manager, "encoder": encoder, "generator": generator}
 
