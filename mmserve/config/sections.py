@@ -70,13 +70,19 @@ class RuntimeConfig:
     max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
     load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
     attention_backend: str = "auto"  # auto | sdpa | triton (auto: triton on CUDA, sdpa on the CPU)
-    cuda_graphs: bool = True  # on CUDA with a capturable backend, decode steps replay captured graphs
+    cuda_graphs: bool = True  # on CUDA with a capturable backend, every step that fits a bucket replays a graph
+    graph_token_buckets: tuple[int, ...] = ()  # token counts of the mixed-step buckets; (): 16, 32, ... max_batched_tokens
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
 
     def __post_init__(self) -> None:
         w = "[runtime]"
         check_choice(w, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_bool(w, "cuda_graphs", self.cuda_graphs)
+        buckets = self.graph_token_buckets
+        if not isinstance(buckets, (list, tuple)) or any(
+                not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
+            fail(w, "graph_token_buckets", "a list of positive integers (empty: the default buckets)", buckets)
+        object.__setattr__(self, "graph_token_buckets", tuple(sorted(set(buckets))))
         check_bool(w, "gc_freeze", self.gc_freeze)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
