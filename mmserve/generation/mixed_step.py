@@ -88,8 +88,11 @@ class MixedBuffers:
             bufs["q_ends"] = self.q_ends
         return bufs
 
-    def fits(self, segments: Sequence[Segment], tokens: int) -> str | None:
+    def fits(self, segments: Sequence[Segment], tokens: int,
+             spans: Sequence[Sequence[tuple[int, int]]] | None = None) -> str | None:
         """Why a step of these segments cannot run from these buffers (None: it can)."""
+        if self.q_ends is None and spans and any(spans):
+            return "bidirectional_spans"  # a model without them never asks; the eager path has them
         if tokens > self.max_tokens:
             return "too_many_tokens"
         if len(segments) > self.max_seqs:
@@ -129,10 +132,9 @@ class MixedBuffers:
             used = -(-seg.end // bs)
             if used > self.max_blocks or len(seg.block_table) < used:
                 raise ValueError(f"a block table of {used} blocks for a static width of {self.max_blocks}")
-            table = np.asarray(seg.block_table[:used], dtype=np.int64)
-            tables[i, :used] = table
-            pos = own[cu[i]:cu[i + 1]]
-            slots[cu[i]:cu[i + 1]] = table[pos // bs] * bs + pos % bs
+            tables[i, :used] = seg.block_table[:used]
+        seq_of = np.repeat(np.arange(s), lengths)  # each token's sequence
+        slots[:n] = tables[seq_of, own // bs].astype(np.int64) * bs + own % bs
         host["positions"][:, :bucket] = 0
         host["positions"][:, :n] = own if positions is None else positions
         if self.q_ends is not None:

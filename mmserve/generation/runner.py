@@ -186,7 +186,7 @@ class ModelRunner:
             return self._decode(step)
         if step.extra_rows is not None:
             return self._eager(step, "prompt_logprobs")
-        why = self.mixed.fits(step.segments, len(step.ids))
+        why = self.mixed.fits(step.segments, len(step.ids), step.spans)
         if why is not None:
             return self._eager(step, why)
         embeds, lm_kwargs = self.adapter.step_inputs(step.ids, step.pieces)
