@@ -18,9 +18,10 @@ allocated once for the largest bucket:
 
 Padding: tokens [n, T) belong to no sequence (their K/V go to the arena's spare scratch slot; the
 attention writes no output for them, and no row of the model mixes tokens but attention, so they
-touch nothing real); sequences [S, S_bucket) have no tokens and no keys (the kernel's programs for
-them return at once). The attention launch is sized by the bucket — S_bucket sequences, chunks of
-at most T tokens — never by the values, so it is capturable; see docs/design.md "Captured steps".
+touch nothing real); sequences [S, S_bucket) have no tokens and no keys. The attention launch is
+sized by the bucket, never by the values, so it is capturable: with a tile map (`tile_seqs`,
+`tile_ids`: the Triton backend's), ceil(T / tile) + S_bucket programs per KV head, the step's real
+tiles first and the rest doing nothing; see docs/design.md "Captured steps".
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class MixedBuffers:
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, rope_rows: int, hidden: int,
                  dtype: torch.dtype, deepstack_levels: int, spans: bool, block_size: int, scratch_slot: int,
-                 device: torch.device):
+                 device: torch.device, tile_tokens: int | None = None):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self.block_size, self.scratch_slot, self.device = block_size, scratch_slot, device
+        self.tile_tokens = tile_tokens
         t, s = max_tokens, self.seqs(max_tokens)
         self.embeds = torch.zeros(t, hidden, dtype=dtype, device=device)
         self.deepstack = (torch.zeros(deepstack_levels, t, hidden, dtype=dtype, device=device)
@@ -65,6 +67,11 @@ class MixedBuffers:
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.rows = torch.zeros(s, dtype=torch.long, device=device)
+        # the attention's tile map (`PagedMetadata.tile_map`): (sequence, tile) per program
+        self.tile_seqs = self.tile_ids = None
+        if tile_tokens:
+            self.tile_seqs = torch.zeros(self.programs(t), dtype=torch.int32, device=device)
+            self.tile_ids = torch.zeros(self.programs(t), dtype=torch.int32, device=device)
         # host staging of the metadata (pinned on CUDA: the copies in are asynchronous)
         pin = device.type == "cuda"
         self._host = {name: torch.zeros_like(buf, device="cpu").pin_memory() if pin else
@@ -75,9 +82,14 @@ class MixedBuffers:
         """How many sequences a step of `bucket` tokens carries at most (each has a token)."""
         return min(bucket, self.max_seqs)
 
+    def programs(self, bucket: int) -> int:
+        """The tile map's length for a bucket: enough for any step it holds (each sequence wastes
+        at most one partial tile)."""
+        return -(-bucket // self.tile_tokens) + self.seqs(bucket)
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every buffer (tests check that steps read only these, at fixed addresses)."""
-        extra = tuple(t for t in (self.deepstack, self.q_ends) if t is not None)
+        extra = tuple(t for t in (self.deepstack, self.q_ends, self.tile_seqs, self.tile_ids) if t is not None)
         return (self.embeds, self.positions, self.slots, self.tables, self.seq_lens, self.cu_seqlens,
                 self.rows) + extra
 
@@ -86,6 +98,8 @@ class MixedBuffers:
                 "seq_lens": self.seq_lens, "cu_seqlens": self.cu_seqlens, "rows": self.rows}
         if self.q_ends is not None:
             bufs["q_ends"] = self.q_ends
+        if self.tile_seqs is not None:
+            bufs["tile_seqs"], bufs["tile_ids"] = self.tile_seqs, self.tile_ids
         return bufs
 
     def fits(self, segments: Sequence[Segment], tokens: int,
@@ -145,6 +159,14 @@ class MixedBuffers:
                 ends[cu[i]:cu[i + 1]] = key_ends(seg.start, seg.length, mine)
         elif spans and any(step_spans(sp, seg.start, seg.length) for sp, seg in zip(spans, segments)):
             raise ValueError("a step with bidirectional spans for buffers built without them")
+        if self.tile_seqs is not None:
+            tiles = -(-lengths // self.tile_tokens)
+            total, p = int(tiles.sum()), self.programs(bucket)
+            first = np.repeat(np.cumsum(tiles) - tiles, tiles)  # each program's sequence's first tile
+            host["tile_seqs"][:p] = 0
+            host["tile_seqs"][:total] = np.repeat(np.arange(s), tiles)
+            host["tile_ids"][:p] = -(-self.max_tokens // self.tile_tokens) + 1  # past every chunk: no work
+            host["tile_ids"][:total] = np.arange(total) - first
         self._copy_in(bucket)
         self.embeds[:n].copy_(embeds)
         self.embeds[n:bucket].zero_()
@@ -166,6 +188,8 @@ class MixedBuffers:
         for host in self._host.values():
             host.zero_()
         self._host["slots"].fill_(self.scratch_slot)
+        if self.tile_ids is not None:
+            self._host["tile_ids"].fill_(-(-self.max_tokens // self.tile_tokens) + 1)
         self._copy_in(bucket)
         self.embeds[:bucket].zero_()
         if self.deepstack is not None:
@@ -176,6 +200,8 @@ class MixedBuffers:
         s = self.seqs(bucket)
         extent = {"positions": bucket, "slots": bucket, "q_ends": bucket, "tables": s, "seq_lens": s, "rows": s,
                   "cu_seqlens": s + 1}
+        if self.tile_seqs is not None:
+            extent["tile_seqs"] = extent["tile_ids"] = self.programs(bucket)
         for name, buf in self._metadata_buffers().items():
             rows = extent[name]
             if name == "positions":
@@ -192,4 +218,6 @@ class MixedBuffers:
                              cu_seqlens_q=self.cu_seqlens[:s + 1], slot_mapping=self.slots[:bucket],
                              num_decodes=0, max_query_len=bucket, block_size=self.block_size,
                              starts=(), lengths=(1,) * s, tables=(),
-                             q_ends=None if self.q_ends is None else self.q_ends[:bucket])
+                             q_ends=None if self.q_ends is None else self.q_ends[:bucket],
+                             tile_map=None if self.tile_seqs is None else
+                             (self.tile_seqs[:self.programs(bucket)], self.tile_ids[:self.programs(bucket)]))

@@ -110,7 +110,8 @@ class ModelRunner:
             self.mixed = MixedBuffers(self.token_buckets[-1], self.buckets[-1], max_blocks, self.rope_rows,
                                       int(adapter.text_config.hidden_size), adapter.dtype,
                                       int(getattr(adapter, "deepstack_levels", 0) or 0), features.bidirectional_spans,
-                                      block_size, self.kv.scratch_slot, self.device)
+                                      block_size, self.kv.scratch_slot, self.device,
+                                      tile_tokens=self.backend.tile_tokens(*attention_heads(adapter.text_config)))
             # one memory pool for both sets: a runner replays one graph at a time
             self.mixed_graphs = DecodeGraphs(self._mixed_body, self.device, cuda_graphs, share_pool_with=self.graphs)
         self.static_steps = 0  # decode steps that ran from the static buffers
@@ -275,3 +276,9 @@ class ModelRunner:
 def mixed_buckets_for(max_tokens: int) -> tuple[int, ...]:
     """The default token buckets of a runner whose steps carry at most `max_tokens` tokens."""
     return token_buckets(max(1, max_tokens))
+
+
+def attention_heads(text_config) -> tuple[int, int]:
+    """(query heads, KV heads) of a transformers text config."""
+    heads = int(text_config.num_attention_heads)
+    return heads, int(getattr(text_config, "num_key_value_heads", None) or heads)

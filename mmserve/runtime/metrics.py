@@ -168,7 +168,7 @@ def _step_path_metrics(rt, c):
                ("model_name", "kind"))
     eager = c("mmserve:eager_steps", "Model steps run eagerly (no graph), by why: too_many_tokens (past the "
               "largest token bucket), too_many_sequences, too_long (a block table past the static width), "
-              "prompt_logprobs, family_inputs, backend_not_capturable.", ("model_name", "reason"))
+              "prompt_logprobs, bidirectional_spans, family_inputs, backend_not_capturable.", ("model_name", "reason"))
     for name, m in rt.registry.loaded.items():
         runner = m.generator.runner
         static.add_metric([name, "decode"], runner.static_steps)
