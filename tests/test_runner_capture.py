@@ -446,7 +446,7 @@ def test_mixed_step_capturable_in_every_bucket(mixed_adapter):
     the logits equal the eager path's for the same step (the chunk's keys rewritten identically)."""
     runner = runner_for(mixed_adapter, "triton", max_batch=4)
     assert runner.token_buckets == TOKEN_BUCKETS and runner.mixed.seqs(4) == 4 and runner.mixed.seqs(16) == 4
-    assert runner.mixed.programs(16) == 16 // runner.mixed.tile_tokens + 4  # the launch: the tile map's length
+    assert runner.mixed.programs(16) == -(-16 // runner.mixed.tile_tokens) + 4  # the launch: the tile map's length
     # the third is longer than Gemma 3's sliding window (32): its decode tokens' windows cut keys
     convs = Conversations(runner, [5, 3, 36], seed=11)
     addresses = [t.data_ptr() for t in runner.mixed.tensors()]
