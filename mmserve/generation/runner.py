@@ -121,13 +121,14 @@ class ModelRunner:
 
     @property
     def captures(self) -> bool:
-        """Whether decode steps run as captured CUDA graphs (`capture` then has work to do)."""
+        """Whether static steps run as captured CUDA graphs (`capture` then has work to do)."""
         return self.graphs is not None and self.graphs.capture
 
     @torch.inference_mode()
     def capture(self) -> int:
-        """Captures the decode graph of every bucket now (CUDA with graphs on; else nothing), so
-        no request pays for a capture: the generator calls it on the compute thread as it starts."""
+        """Captures the graph of every token bucket (mixed steps) and batch bucket (decode steps)
+        now (CUDA with graphs on; else nothing), so no request pays for a capture: the registry
+        calls it on the compute thread as the model loads. Returns how many were captured."""
         if self.graphs is None:
             return 0
         # the mixed steps' largest buckets first: the smaller graphs reuse their pool's memory
