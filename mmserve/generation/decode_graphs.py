@@ -13,7 +13,9 @@ capturable: no host synchronisation, no input outside these buffers, the model a
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import gc
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -138,12 +140,31 @@ class DecodeGraphs:
     listed in `failed` with the error: a model whose graphs cannot all be captured still serves.
     Should the device fail the eager step too, that error is raised."""
 
-    def __init__(self, body: Callable[[int], torch.Tensor], device: torch.device, capture: bool):
+    def __init__(self, body: Callable[[int], torch.Tensor], device: torch.device, capture: bool,
+                 share_pool_with: "DecodeGraphs | None" = None):
         self.body, self.device = body, device
         self.capture = capture and device.type == "cuda"
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.failed: dict[int, str] = {}
         self._pool = None
+        # another set of graphs of the same runner (never replayed at the same time): one memory pool
+        self._pool_owner = share_pool_with
+
+    @property
+    def pool(self):
+        """The memory pool every capture of this set (and of the set it shares with) records into."""
+        if self._pool_owner is not None:
+            return self._pool_owner.pool
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    @pool.setter
+    def pool(self, value) -> None:
+        if self._pool_owner is not None:
+            self._pool_owner.pool = value
+        else:
+            self._pool = value
 
     def run(self, bucket: int) -> torch.Tensor:
         if not self.capture or bucket in self.failed:
@@ -187,10 +208,33 @@ class DecodeGraphs:
                 self.body(bucket)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         # thread_local: another thread's CUDA work meanwhile (a shared-tier export reads blocks on the
         # event loop's thread) is not an error in this capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.body(bucket)
         return graph, out
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration (then as it was).
+
+    Why a capture needs it: a collection may run at any allocation of a Python object — the body
+    of a step makes thousands — and what it frees runs its destructors right there, on the
+    capturing thread. A dead `torch.cuda.CUDAGraph` (a runner that is garbage but held in a cycle:
+    `DecodeGraphs.body` is its runner's bound method) destroys its graph and executable
+    (`cudaGraphDestroy`, `cudaGraphExecDestroy`), which the driver forbids while the thread
+    captures: "operation not permitted when stream is capturing (function reset)", the capture
+    invalidated (`cudaErrorStreamCaptureInvalidated`) and "operation failed due to a previous error
+    during capture". torch's `torch.cuda.graph` used to `gc.collect()` before each capture; since
+    torch 2.9 it does so only under `torch.compiler.config.force_cudagraph_gc`. Whether it struck
+    depended on when a collection fell due — Qwen2-VL's forward makes more Python objects than
+    LLaVA's, so a collection fell inside one of its captures (always the same one of a sequence:
+    the count is deterministic) and never inside LLaVA's."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -133,6 +133,7 @@ class _RuntimeCollector:
             pq.add_metric([name], kv["query_tokens"])
             ph.add_metric([name], kv["hit_tokens"])
         yield from (running, waiting, kv_usage, kv_evictable, quarantined, enc_bytes, pq, ph, mq, mh)
+        yield from _step_path_metrics(rt, c)
         yield from _shared_tier_metrics(rt, g, c)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():
@@ -161,6 +162,26 @@ _SHARED_COUNTERS = {  # stats key → (metric, help)
     "finish_flush_late": ("shared_cache_finish_flush_timeouts", "Answers that ended after finish_flush_ms "
                           "with writes still pending."),
 }
+
+
+def _step_path_metrics(rt, c):
+    """How the model runner ran its steps: from the static buffers (a replayed graph on CUDA), by
+    kind, and eagerly, by reason — a step larger than the largest bucket ("too_many_tokens",
+    "too_many_sequences", "too_long"), one wanting a prompt's logprobs, a backend without static
+    steps ("backend_not_capturable": the CPU's sdpa)."""
+    static = c("mmserve:static_steps", "Model steps run from the static buffers (replayed graphs on CUDA), "
+               "by kind (decode: a batch bucket; mixed: prefill chunks and decode tokens, a token bucket).",
+               ("model_name", "kind"))
+    eager = c("mmserve:eager_steps", "Model steps run eagerly (no graph), by why: too_many_tokens (past the "
+              "largest token bucket), too_many_sequences, too_long (a block table past the static width), "
+              "prompt_logprobs, bidirectional_spans, family_inputs, backend_not_capturable.", ("model_name", "reason"))
+    for name, m in rt.registry.loaded.items():
+        runner = m.generator.runner
+        static.add_metric([name, "decode"], runner.static_steps)
+        static.add_metric([name, "mixed"], runner.mixed_steps)
+        for reason, count in sorted(runner.eager_reasons.items()):
+            eager.add_metric([name, reason], count)
+    yield from (static, eager)
 
 
 def _shared_tier_metrics(rt, g, c):

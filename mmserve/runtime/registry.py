@@ -141,9 +141,9 @@ class ModelRegistry:
             # the CPU bench a third of its batched throughput (measured: @8 concurrent 234 -> 155 tok/s)
             runner = actors["generator"].runner
             captured = await compute.run(runner.capture, owner=f"registry[{mc.name}]") if runner.captures else 0
-            if runner.captures and runner.graphs.failed:  # those buckets decode eagerly: slower, still right
-                self.log.warning("registry.decode_graphs_failed", model=mc.name, buckets=sorted(runner.graphs.failed),
-                                 error=next(iter(runner.graphs.failed.values())))
+            for kind, failed in runner.failed_captures.items():  # those buckets run eagerly: slower, still right
+                self.log.warning("registry.graphs_failed", model=mc.name, steps=kind, buckets=sorted(failed),
+                                 error=next(iter(failed.values())))
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
             if (tier := model.actors.get("shared_tier")) is not None:

@@ -150,7 +150,8 @@ class Runtime:
         the bookkeeping of the same blocks to the cache manager."""
         kv, rt, gen = self.config.kv_cache, self.config.runtime, self.config.generator
         runner = ModelRunner(adapter, kv.budget_bytes, kv.block_size, rt.attention_backend,
-                             max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs)
+                             max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs,
+                             max_tokens=gen.max_batched_tokens, token_buckets=rt.graph_token_buckets or None)
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics)
         manager.generator = generator.inbox_send
