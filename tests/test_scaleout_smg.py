@@ -35,7 +35,11 @@ SYSTEM = {
          "one word, lower case, nothing else; never describe the background or the shape itself.",
     "B": "Du bist ein knapper Assistent in einer Werkstatt für Schilder. Nenne die Farbe der Form im "
          "Bild mit einem einzigen Wort, klein geschrieben, ohne Satzzeichen und ohne Erklärung.",
+    "C": "Reply as a terse museum guide: state the colour of the figure shown, a single lower-case "
+         "word, and never mention the figure's outline, its size or where it stands in the picture.",
+    "L": "Load probe.",  # the /v1/loads test's own prompt, sent to one replica directly
 }
+ARENA_BLOCKS = 128
 IMAGES = [("red", "circle"), ("green", "square"), ("blue", "triangle")]
 
 
@@ -104,16 +108,25 @@ class Gateway:
         self.proc.stderr.close()
 
 
+def _block_bytes(config: Config) -> int:
+    """Bytes of one KV block of the demo model (its arena is `budget_bytes` // this)."""
+    with ServerThread(config) as probe:
+        kv = probe.runtime.registry.require("demo").prefix_cache.stats()
+    return config.kv_cache.budget_bytes // kv["num_blocks"]
+
+
 @pytest.fixture(scope="module")
 def replicas():
+    # a small arena (128 blocks of 16 tokens): one long answer holds more than half of it
     config = on_device(Config(models=(ModelConfig("demo", _demo_dir("demo"), default=True),)))
+    config = config.replace(kv_cache={"budget_bytes": ARENA_BLOCKS * _block_bytes(config)})
     with ServerThread(config) as a, ServerThread(config) as b:
         yield [a.url, b.url]
 
 
 @pytest.fixture(scope="module")
 def gateway(replicas):
-    gw = Gateway(replicas)
+    gw = Gateway(replicas, "--overload-token-usage-threshold", "0.5")
     try:
         gw.wait_for_loads(replicas)
         yield gw
@@ -131,7 +144,7 @@ def test_loads_agree_with_metrics_with_integer_counts(replicas):
     def same(x, y):
         return {k: v for k, v in x.items() if k != "timestamp"} == {k: v for k, v in y.items() if k != "timestamp"}
 
-    long = chat("A", 0, max_tokens=2000, min_tokens=2000, stream=True)
+    long = chat("L", 0, max_tokens=1200, min_tokens=1200, stream=True)
     checked = False
     with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/chat/completions", json=long) as resp:
         lines = resp.iter_lines()
@@ -203,6 +216,37 @@ def test_cache_aware_routing_splits_by_system_prompt(gateway, replicas):
     assert served["A"][0] != served["B"][0], served
     assert cached["A"][0] == 0 and cached["B"][0] == 0, cached
     assert all(n > 0 for n in cached["A"][1:] + cached["B"][1:]), cached
+
+
+def test_a_replica_over_the_token_usage_ceiling_sheds_its_group(gateway, replicas):
+    """SMG runs with --overload-token-usage-threshold 0.5: while one long answer holds more than half
+    of its replica's arena (as that replica's /v1/loads says), the next request of its conversation
+    group goes to the other replica, though that one holds none of its prefix. (Where the group goes
+    after that is SMG's choice: both replicas now hold its prefix.)"""
+    with httpx.Client(timeout=60) as c:
+        def where(body) -> tuple[str, dict]:
+            before = {u: answered(u) for u in replicas}
+            r = c.post(gateway.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            [served] = [u for u in replicas if answered(u) - before[u] == 1]
+            return served, r.json()["usage"]
+
+        home, _ = where(chat("C", 0))
+        again, usage = where(chat("C", 1))
+        assert again == home and usage["prompt_tokens_details"]["cached_tokens"] > 0
+        other = next(u for u in replicas if u != home)
+        long = chat("C", 2, max_tokens=1800, min_tokens=1800, stream=True)  # 122 of the 128 blocks at its end
+        with c.stream("POST", gateway.url + "/v1/chat/completions", json=long) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            deadline = time.monotonic() + 30
+            while gateway.loads()[home]["token_usage"] <= 0.5:  # SMG's view, polled every second
+                assert time.monotonic() < deadline, gateway.loads()
+                time.sleep(0.1)
+            assert httpx.get(home + "/v1/loads").json()["loads"][0]["token_usage"] > 0.5
+            shed, _ = where(chat("C", 0))
+            assert shed == other
+        # (closed early: the long answer ends as client_gone)
 
 
 def test_stream_through_smg_is_the_plain_greedy_answer(gateway, replicas):
