@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -97,11 +98,14 @@ class Gateway:
             time.sleep(0.2)
         raise AssertionError(f"SMG never listed both replicas' loads: {self.loads()}")
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 1.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`: SMG ignores SIGTERM while a worker is unreachable
+        (after a replica's failover) and otherwise keeps its listener for a 5 s settle window, which
+        no test needs (each gateway has ports of its own)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(10)  # SMG keeps its listener for a 5 s settle window
+                self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -303,3 +307,95 @@ def _listening(pid: int) -> list[tuple[str, int]]:
                 host = host[7:]
             out.append((host if family == socket.AF_INET or host != "::1" else "127.0.0.1", int(port, 16)))
     return out
+
+
+class ReplicaProcess:
+    """`mmserve serve` as a real process on 127.0.0.1, port 0 (its URL read from `http.listening`)."""
+
+    def __init__(self, config_path: Path):
+        self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", "--config", str(config_path)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
+        self.url: str | None = None
+
+    def wait_listening(self, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stderr:  # one JSON event a line; the address is in the first http.listening
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "http.listening":
+                self.url = event["urls"][0]
+                # keep draining its log, so a full pipe never blocks the server
+                threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+                return self.url
+            assert time.monotonic() < deadline, "the replica never listened"
+        raise AssertionError(f"the replica exited with {self.proc.wait()} before listening")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.mark.slow  # two `mmserve serve` processes (torch imported in each): 8 s alone, ~20 s on busy cores
+def test_failover_continues_from_the_shared_tier(tmp_path):
+    """Two `mmserve serve` processes on one Redis tier behind SMG: a conversation group lives on one
+    replica; after that replica's SIGTERM (it drains and exits 0), the first request of the group
+    is answered by the survivor — which never saw the group — with its prefix found in the shared
+    tier, and all 8 requests after the SIGTERM are answered."""
+    from tests.redis_server import RedisServer
+
+    redis = RedisServer(tmp_path / "redis").start()
+    config = tmp_path / "replica.toml"
+    config.write_text(f"""
+[server]
+host = "127.0.0.1"
+port = 0
+[shared_cache]
+url = "{redis.url}"
+secret = "{'s' * 32}"
+lookup_deadline_ms = 3000.0
+[[models]]
+name = "demo"
+path = "{_demo_dir('demo')}"
+default = true
+""")
+    replicas = [ReplicaProcess(config), ReplicaProcess(config)]
+    gw = None
+    try:
+        urls = [r.wait_listening() for r in replicas]
+        gw = Gateway(urls)
+        gw.wait_for_loads(urls)
+        with httpx.Client(timeout=60) as c:
+            def hits(url):
+                return metric(scrape(url), "mmserve:shared_cache_block_hits_total")
+
+            before = {u: answered(u) for u in urls}
+            for image in range(2):
+                r = c.post(gw.url + "/v1/chat/completions", json=chat("A", image))
+                assert r.status_code == 200, r.text
+            [home] = [u for u in urls if answered(u) - before[u] == 2]  # cache-aware: both on one replica
+            survivor = next(u for u in urls if u != home)
+            survivor_hits = hits(survivor)
+            assert replicas[urls.index(home)].stop() == 0  # SIGTERM: drains (nothing in flight), exits 0
+            codes, cached = [], []
+            for image in [2, 0, 1, 2, 0, 1, 2, 0]:
+                r = c.post(gw.url + "/v1/chat/completions", json=chat("A", image))
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            assert codes == [200] * 8, codes
+            assert cached[0] > 0  # the survivor's first request of the group: its prefix came from Redis
+            assert hits(survivor) > survivor_hits
+    finally:
+        if gw is not None:
+            gw.stop()
+        for r in replicas:
+            r.stop()
+        redis.kill()
