@@ -71,7 +71,9 @@ def answered(url: str) -> int:
 class Gateway:
     """`smg launch` on 127.0.0.1 in front of `workers`, cache-aware, polling loads every second."""
 
-    def __init__(self, workers: list[str], *extra: str):
+    def __init__(self, workers: list[str], *extra: str, api_key: str | None = None):
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        extra = (*extra, "--api-key", api_key) if api_key else extra
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
@@ -82,7 +84,7 @@ class Gateway:
 
     def loads(self) -> dict[str, dict]:
         """SMG's own view: each worker's last load report, by worker URL."""
-        body = httpx.get(self.url + "/get_loads", timeout=5).json()
+        body = httpx.get(self.url + "/get_loads", headers=self.headers, timeout=5).json()
         return {x["worker"]: x for x in body.get("loads", []) if x.get("worker")}
 
     def wait_for_loads(self, workers: list[str], timeout: float = 60) -> dict[str, dict]:
@@ -341,6 +343,24 @@ class ReplicaProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
+
+
+def test_smg_api_key_reaches_a_keyed_replica():
+    """With `[auth] api_keys` on the replica, /v1/loads needs the key (it is under /v1/), and SMG's
+    `--api-key` is what it sends: it reads the replica's load and its chats are answered."""
+    config = on_device(Config(models=(ModelConfig("demo", _demo_dir("demo"), default=True),)))
+    config = config.replace(auth={"api_keys": ("fleet-key",)})
+    with ServerThread(config) as keyed:
+        assert httpx.get(keyed.url + "/v1/loads").status_code == 401
+        gw = Gateway([keyed.url], api_key="fleet-key")
+        try:
+            loads = gw.wait_for_loads([keyed.url])
+            assert loads[keyed.url]["max_total_num_tokens"] > 0
+            r = httpx.post(gw.url + "/v1/chat/completions", json=chat("A", 0), headers=gw.headers, timeout=60)
+            assert r.status_code == 200, r.text
+            assert httpx.post(gw.url + "/v1/chat/completions", json=chat("A", 0), timeout=60).status_code == 401
+        finally:
+            gw.stop()
 
 
 @pytest.mark.slow  # two `mmserve serve` processes (torch imported in each): 8 s alone, ~20 s on busy cores
