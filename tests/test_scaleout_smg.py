@@ -1,7 +1,9 @@
 """Several replicas behind the real SMG (Shepherd Model Gateway, the `smg` wheel's Rust gateway):
 `GET /v1/loads` agrees with `/metrics` and SMG reads it for both replicas, cache-aware routing keeps
 each system prompt's conversations on one replica (its prefix cache hits from the group's second
-request), and a stream through SMG is the plain greedy answer with its usage.
+request), a replica over SMG's KV-usage ceiling sheds its group, SMG's `--api-key` reaches keyed
+replicas, a stream through SMG is the plain greedy answer with its usage, and (slow) a replica's
+SIGTERM moves its conversations to the survivor, which continues them from the Redis tier.
 
 Everything listens on 127.0.0.1 (replicas on port 0, SMG and its metrics listener on free loopback
 ports); SMG is stopped by SIGTERM, then SIGKILL (it ignores SIGTERM while waiting for an
