@@ -80,6 +80,14 @@ class BadRequest(MMServeError):
     type = "invalid_request_error"
 
 
+class ExceedsCapacity(BadRequest):
+    """The request could never run on this server as configured — it needs more KV blocks than the
+    arena holds, or more rows than a step carries: refused at admission (the message names the
+    limit and its config key) rather than left waiting forever."""
+
+    code = "context_length_exceeded"
+
+
 class UnsupportedParameter(BadRequest):
     """A valid OpenAI parameter that mmserve does not implement: refused, never silently ignored."""
 
@@ -112,10 +120,27 @@ class ModelNotFound(MMServeError):
     code = "model_not_found"
 
 
+class NotFound(MMServeError):
+    """Something other than a model that does not exist here (a stored response: none are kept)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
 class PayloadTooLarge(MMServeError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class RequestTimeout(MMServeError):
+    """The request's body did not arrive within `server.body_timeout_s` (HTTP 408); the connection
+    is closed, since the rest of the body may still come."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class UnprocessableImage(BadRequest):

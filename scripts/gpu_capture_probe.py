@@ -2,16 +2,24 @@
 see scripts/gpu-run.sh probe). Both GPU runs of 2026-11-26 saw Qwen2-VL's fourth capture in one
 runner invalidated (cudaErrorStreamCaptureInvalidated) whatever the bucket order, LLaVA's never.
 For each family: every bucket alone in a fresh runner; all buckets in one runner ascending,
-descending, and descending with a fresh memory pool per capture. Prints one line per attempt."""
+descending, and descending with a fresh memory pool per capture. Then issue 38 item 4's cause, in
+one call: a dead runner's captured graphs (garbage in a cycle) collected by a garbage collection
+inside another capture — "operation not permitted when stream is capturing (function reset)", the
+capture invalidated — with the collector left on (the fault: expected FAIL) and paused as
+`DecodeGraphs` now pauses it (expected ok); and every mixed-step token bucket of each family.
+Prints one line per attempt."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from mmserve.generation import decode_graphs
 from mmserve.generation.runner import ModelRunner
 from mmserve.models.demo import build_untrained
 from mmserve.models.demo.qwen import build_untrained_qwen
@@ -21,7 +29,44 @@ DEVICE = "cuda" if torch.cuda.is_available() else sys.exit("a CUDA device is nee
 
 
 def runner(adapter) -> ModelRunner:
-    return ModelRunner(adapter, 1 << 21, 4, "triton", max_batch=8)
+    return ModelRunner(adapter, 1 << 21, 4, "triton", max_batch=8, token_buckets=(16, 64))
+
+
+def collection_inside_a_capture(label: str, adapter, paused: bool) -> None:
+    """A dead runner with a captured graph, then a capture in another runner whose body runs a
+    collection halfway (as an allocation may trigger one) whenever the collector is on."""
+    dead = runner(adapter)
+    dead.buffers.clear(1)
+    with torch.inference_mode():
+        dead.graphs._try_capture(1)
+    del dead  # a cycle (graphs.body is its bound method): freed only by a collection
+    r = runner(adapter)
+    body = r.graphs.body
+
+    def collecting(bucket):
+        if gc.isenabled() and torch.cuda.is_current_stream_capturing():
+            gc.collect()
+        return body(bucket)
+
+    r.graphs.body = collecting
+    real = decode_graphs.collector_paused
+    if not paused:
+        decode_graphs.collector_paused = contextlib.nullcontext
+    try:
+        attempt(label, r, [2])
+    finally:
+        decode_graphs.collector_paused = real
+
+
+def mixed(label: str, r: ModelRunner) -> None:
+    results = []
+    for t in sorted(r.token_buckets, reverse=True):
+        r.mixed.clear(t)
+        with torch.inference_mode():
+            ok = r.mixed_graphs._try_capture(t)
+        results.append(f"{t}:{'ok' if ok else 'FAIL'}")
+    first = next(iter(r.mixed_graphs.failed.values()), "")
+    print(f"{label:40s} {' '.join(results)}  {first[:120]}", flush=True)
 
 
 def attempt(label: str, r: ModelRunner, order, fresh_pool: bool = False) -> None:
@@ -49,6 +94,9 @@ def main() -> None:
         attempt(f"{family} ascending", runner(adapter), buckets)
         attempt(f"{family} descending", runner(adapter), buckets[::-1])
         attempt(f"{family} descending, a pool each", runner(adapter), buckets[::-1], fresh_pool=True)
+        collection_inside_a_capture(f"{family} gc in capture (expect FAIL)", adapter, paused=False)
+        collection_inside_a_capture(f"{family} gc paused in capture", adapter, paused=True)
+        mixed(f"{family} mixed token buckets", runner(adapter))
 
 
 if __name__ == "__main__":

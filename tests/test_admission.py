@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import trio
 
 from mmserve import Runtime
@@ -126,3 +127,15 @@ def test_a_waiting_hit_gives_its_blocks_back_before_a_running_sequence():
     assert victim is waiting_old
     BlockGrants._preempt(gen, victim)
     assert released == [("hit", False)] and waiting_old.kv_len == 0
+
+
+async def test_more_choices_than_a_step_carries_are_refused_naming_the_limit(tiny_config):
+    """n choices decode n rows every step: more than `max_batched_tokens` could never run (400)."""
+    from mmserve.errors import ExceedsCapacity
+
+    async with Runtime.open(tiny_config.replace(generator={"max_batched_tokens": 2})) as rt:
+        with pytest.raises(ExceedsCapacity, match="max_batched_tokens") as e:
+            await rt.text_completion("red", max_tokens=2, n=3)
+        assert e.value.status == 400 and e.value.param == "n"
+        ok = await rt.text_completion("red", max_tokens=2, n=2)
+        assert len(ok.choices) == 2

@@ -50,6 +50,9 @@ def test_bench_writes_reports_with_expected_keys(tmp_path, monkeypatch):
     peak = kv["at_peak"]
     assert peak["referenced_blocks"] >= 1 and 0 < peak["held_tokens"] <= peak["referenced_blocks"] * kv["block_size"]
     assert peak["bytes_in_use"] == peak["referenced_blocks"] * kv["block_bytes"] and peak["ratio"] >= 1
+    kept = sc["concurrency"]["retention"]  # RSS over requests once both caches are full
+    assert kept["caches_full"] and kept["requests"] == params.retention_requests
+    assert len(kept["samples"]) == params.retention_samples + 1 and kept["rss_end_mib"] > 0
     turns = sc["multiturn"]["turns"]
     assert len(turns) == params.turns
     assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] > 0 for t in turns[1:])
@@ -62,7 +65,8 @@ def test_bench_writes_reports_with_expected_keys(tmp_path, monkeypatch):
     assert any(s == "3 multi-turn" and "on / off" in m for s, m in metrics)
     conc = [r["metric"] for r in data["summary"] if r["scenario"] == "2 concurrency"]
     for metric in (f"aggregate tok/s @{top} vs batched HF", f"TTFT p99 / TTFT p50 @{top}",
-                   f"aggregate tok/s @{top}, embedded vs batched HF", f"KV bytes in use / bytes of tokens held @{top}"):
+                   f"aggregate tok/s @{top}, embedded vs batched HF", f"KV bytes in use / bytes of tokens held @{top}",
+                   "RSS growth per 1,000 requests, caches full"):
         assert any(m.startswith(metric) for m in conc), metric
     targets = {(r["scenario"], r["metric"].split(": ")[-1].split("(")[0]): r["target"] for r in data["summary"]}
     assert targets[("1 decode", "decode tok/s, embedded")] == targets[("1 decode", "decode tok/s, http")] == "≥ 1.0"

@@ -53,12 +53,15 @@ INF, NAN = float("inf"), float("nan")
 BAD = {  # section -> [(key, bad value), ...]: every key of every section, some more than once
     "server": [("host", ""), ("host", 5), ("port", -1), ("port", 65536), ("port", "8000"), ("port", True),
                ("max_body_bytes", 0), ("shutdown_grace_s", -1), ("shutdown_grace_s", NAN),
-               ("keep_alive_timeout_s", 0), ("keep_alive_timeout_s", INF)],
+               ("keep_alive_timeout_s", 0), ("keep_alive_timeout_s", INF), ("body_timeout_s", 0),
+               ("body_timeout_s", NAN), ("max_bodies_in_flight", 0), ("max_body_bytes_in_flight", 0),
+               ("max_body_bytes_in_flight", 32 * 1024 * 1024 - 1)],
     "runtime": [("device", "gpu"), ("device", "cuda:"), ("device", "cuda:x"), ("device", "CPU"), ("device", 0),
                 ("dtype", "fp16"), ("torch_threads", -1), ("torch_threads", 1.5), ("max_loaded_models", -1),
                 ("load_timeout_s", 0), ("load_timeout_s", "600"), ("attention_backend", "flash"),
                 ("attention_backend", "Triton"), ("cuda_graphs", "yes"), ("cuda_graphs", 1),
-                ("gc_freeze", "no"), ("gc_freeze", 0)],
+                ("gc_freeze", "no"), ("gc_freeze", 0), ("graph_token_buckets", [0]), ("graph_token_buckets", 64),
+                ("graph_token_buckets", [16, True]), ("graph_token_buckets", [1.5])],
     "limits": [("max_messages", 0), ("max_images_per_request", -1), ("max_image_bytes", 0),
                ("max_image_pixels", 0), ("max_image_aspect_ratio", 0.5), ("max_json_depth", 1),
                ("max_json_depth", 1001), ("image_formats", []), ("image_formats", ["png"]),
@@ -176,6 +179,8 @@ def test_message_format():
 
 @pytest.mark.parametrize("raw", [
     {"server": {"port": 0, "host": "0.0.0.0", "shutdown_grace_s": 0, "keep_alive_timeout_s": 1}},
+    {"server": {"body_timeout_s": 0.5, "max_bodies_in_flight": 1, "max_body_bytes": 10,
+                "max_body_bytes_in_flight": 10}},
     {"runtime": {"device": "cuda:1", "dtype": "bfloat16", "torch_threads": 2, "max_loaded_models": 1,
                  "load_timeout_s": 0.5}},
     {"runtime": {"device": "mps", "dtype": "float16"}},

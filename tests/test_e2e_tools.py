@@ -213,3 +213,45 @@ def test_langchain_bind_tools(server):
         assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
     structured = llm.with_structured_output(ShapeReport, method="function_calling").invoke(messages)
     assert isinstance(structured, ShapeReport)
+
+
+def test_a_streamed_answer_of_only_calls_has_null_content_as_the_whole_one(client, server):
+    """OpenAI's stream of an answer that is only calls opens with `content: null` (beside the
+    first call), so a client joining the deltas gets None, as in the non-streamed message."""
+    kw = dict(model="demo", messages=PROMPTS[0], tools=[REPORT], tool_choice="required", temperature=0,
+              max_tokens=200)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content is None
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert client.chat.completions.create(**kw).choices[0].message.content is None
+    # plain text still opens with content ""
+    plain = list(client.chat.completions.create(model="demo", messages=PROMPTS[0], tools=[REPORT], tool_choice="none",
+                                                temperature=0, max_tokens=5, stream=True))
+    assert plain[0].choices[0].delta.content == "" and "".join(c.choices[0].delta.content or "" for c in plain)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "tool", "content": "x", "tool_call_id": "1"}],
+    [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x", "tool_call_id": "call_a1"}],
+    [*HISTORY[:2], {"role": "tool", "tool_call_id": "call_other", "content": "sunny"}],
+])
+def test_a_tool_message_answering_no_earlier_call_is_a_400(client, messages):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo", messages=messages, max_tokens=4)
+    assert info.value.body["param"] == f"messages[{len(messages) - 1}].tool_call_id"
+    assert "earlier" in info.value.body["message"]
+
+
+def test_auto_with_a_strict_tool_answers_through_its_grammar(client):
+    """The demo model never writes calls by itself: under the strict "auto" grammar its answer
+    stays the plain text it would give (text that opens no call is the grammar's other branch)."""
+    strict = {"type": "function", "function": dict(REPORT["function"], strict=True, parameters=dict(
+        REPORT["function"]["parameters"], additionalProperties=False))}
+    free = client.chat.completions.create(model="demo", messages=PROMPTS[3], temperature=0, max_tokens=8)
+    r = client.chat.completions.create(model="demo", messages=PROMPTS[3], tools=[strict], temperature=0, max_tokens=8)
+    assert r.choices[0].message.content == free.choices[0].message.content and not r.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as info:  # a schema strict mode refuses, as response_format's
+        client.chat.completions.create(model="demo", messages=PROMPTS[3], tools=[
+            {"type": "function", "function": dict(REPORT["function"], strict=True)}])
+    assert info.value.body["param"].startswith("tools[0].function.parameters")

@@ -161,3 +161,15 @@ async def test_greedy_tokens_through_the_runtime_equal_generate(adapter, gemma3_
     config = on_device(Config(models=(ModelConfig("g3", str(gemma3_dir), default=True),))).replace(
         kv_cache={"block_size": 4}, generator={"max_batched_tokens": 20})
     await PARITY.assert_runtime_equals_generate(adapter, config, expected, at_once=True)
+
+
+async def test_an_image_larger_than_the_step_budget_runs_whole(adapter, gemma3_dir):
+    """An image span (16 tokens, 8 blocks of 2) is never split: with `max_batched_tokens` 2 its chunk
+    is 8 times the budget, and more blocks than the reserve's step estimate — it gets them (the
+    reserve is asked for the whole chunk) and runs as its step's prefill, token for token equal to
+    `generate` (before, the request waited for `request_timeout_s`)."""
+    n = max(PROMPTS)
+    expected = {n: PARITY.generate(adapter, hf_inputs(adapter, n))}
+    config = on_device(Config(models=(ModelConfig("g3", str(gemma3_dir), default=True),))).replace(
+        kv_cache={"block_size": 2}, generator={"max_batched_tokens": 2}, limits={"request_timeout_s": 20})
+    await PARITY.assert_runtime_equals_generate(adapter, config, expected, at_once=True)

@@ -168,6 +168,10 @@ def test_api_keys_and_admin_endpoint(tiny_config):
         assert_error(c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
         assert c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k2"}).status_code == 200
         assert c.get("/health").status_code == 200  # health stays open for probes
+        # vLLM's tokenizer routes are the API's too: keyed
+        assert_error(c.post("/tokenize", json={"prompt": "red"}), 401, "invalid_api_key")
+        assert_error(c.get("/tokenizer_info"), 401, "invalid_api_key")
+        assert c.post("/tokenize", json={"prompt": "red"}, headers={"Authorization": "Bearer k1"}).status_code == 200
         assert_error(c.get("/debug/cache", headers={"Authorization": "Bearer k1"}), 401)
         dbg = c.get("/debug/cache", headers={"Authorization": "Bearer root"}).json()
         assert dbg["tiny"]["encoder_cache"]["entries"] == 1 and dbg["tiny"]["prefix_cache"]["cached_blocks"] >= 1

@@ -21,6 +21,11 @@ def value(m, name, **labels):
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def total(m, name, **labels):
+    """The sum of `name`'s samples whose labels include `labels` (over the others)."""
+    return sum(v for (n, lb), v in m.items() if n == name and set(labels.items()) <= set(lb))
+
+
 def test_running_counts_admitted_requests_and_the_rest_wait(tiny_config):
     """With max_running_requests = 1, a long answer runs and a second request waits in the
     generator for admission: running 1, waiting 1 (not 2 running, as when every sequence in the
@@ -73,6 +78,13 @@ def test_metrics_move_by_exact_amounts(tiny_config):
     # back-to-back steps: none before a request's first step (the generator was idle)
     assert delta("mmserve:step_seconds_count", part="forward", **m) == 8
     assert delta("mmserve:step_seconds_count", part="host", **m) == (5 - 1) + (3 - 1)
+    # every step counted once, by the path it took: from the static buffers by kind, else eager by
+    # why (the CPU's sdpa backend: every step; triton on a GPU: these prompts fit a token bucket)
+    paths = {k: total(after, n, **m) - total(before, n, **m) for k, n in (("static", "mmserve:static_steps_total"),
+                                                                          ("eager", "mmserve:eager_steps_total"))}
+    assert paths["static"] + paths["eager"] == 8
+    if value(after, "mmserve:eager_steps_total", reason="backend_not_capturable", **m):
+        assert paths["eager"] == delta("mmserve:eager_steps_total", reason="backend_not_capturable", **m) == 8
     assert value(after, "mmserve:healthy") == 1.0
     assert value(after, "mmserve:num_requests_running", **m) == 0
     # idle: nothing is held by a running request; the cached prefixes are evictable, and count as free

@@ -15,8 +15,10 @@ import pytest
 from openai.types import Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel
+from transformers import AutoProcessor
 
 from mmserve.models.demo import Q_COLOR, render_image
+from tests.conftest import _demo_dir
 from tests.helpers import colour_question, data_url
 
 # fields OpenAI's types define that may be absent, by "Type.field" (OpenAI omits them too, or
@@ -191,3 +193,29 @@ def test_an_undecodable_image_is_a_400_invalid_image(client, url):
         {"type": "image_url", "image_url": {"url": data_url(render_image("red", "circle"))}},
         {"type": "text", "text": Q_COLOR}]}], temperature=0)
     assert ok.choices[0].message.content == "red" and ok.choices[0].message.refusal is None
+
+
+def test_legacy_logprobs_most_likely_first_and_eos_listed_once_and_counted(demo_server):
+    """/v1/completions with logprobs: each `top_logprobs` dict is ordered most likely first (a
+    client reading its first key gets the best token), an answer ended by EOS lists that token
+    once (its own text, "" as vLLM shows it, and never again under another spelling), and
+    `completion_tokens` counts it: one entry per token drawn."""
+    processor = AutoProcessor.from_pretrained(_demo_dir("demo"))
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}],
+                                           add_generation_prompt=True, tokenize=False)
+    for temperature in (0, 1.0):
+        r = httpx.post(demo_server.url + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": prompt, "max_tokens": 12, "logprobs": 5, "temperature": temperature,
+            "seed": 3})
+        choice = r.json()["choices"][0]
+        lp, usage = choice["logprobs"], r.json()["usage"]
+        assert choice["finish_reason"] == "stop", choice
+        assert len(lp["tokens"]) == usage["completion_tokens"]  # the EOS is drawn, listed and counted
+        assert lp["tokens"][-1] == "" and "".join(lp["tokens"]) == choice["text"]
+        eos_top = lp["top_logprobs"][-1]
+        assert eos_top[""] == lp["token_logprobs"][-1]
+        eos_text = processor.tokenizer.decode([processor.tokenizer.eos_token_id])
+        assert eos_text not in eos_top  # the EOS is not listed a second time under its special text
+        for top in lp["top_logprobs"]:
+            values = list(top.values())
+            assert values == sorted(values, reverse=True) and 5 <= len(top) <= 6

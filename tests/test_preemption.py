@@ -92,3 +92,35 @@ async def test_an_answer_longer_than_the_arena_ends_at_its_capacity(demo_config)
         assert got.choices[0].finish_reason == "length"
         assert got.usage.prompt_tokens + got.usage.completion_tokens == BLOCKS * 8
         await assert_nothing_held(rt)
+
+
+SCORED = ("red green blue square circle triangle " * 9).strip()  # ~55 tokens: 7 blocks of 8
+
+
+async def test_a_scoring_request_preempted_mid_prompt_still_scores_every_position(demo_config):
+    """A request that scores its prompt (echo + logprobs) is preempted in the middle of its prefill
+    by an older answer that grows, and holds the same prompt's blocks: its resume must not take
+    back cached blocks whose positions it has not scored (a cached block has KV, no logits) —
+    every position gets its logprob, the same as alone."""
+    async with Runtime.open(small_arena(demo_config).replace(generator={"max_batched_tokens": 9})) as rt:
+        generator = rt.registry.require("demo").generator
+        alone = await rt.text_completion(SCORED, max_tokens=0, echo=True, logprobs=1)
+        want = [s.logprob for s in alone.choices[0].prompt_logprobs]
+        assert want[0] is None and None not in want[1:] and len(want) > 48
+        await rt.reset_caches()
+        out = {}
+        async with trio.open_nursery() as nursery:
+            older = rt.chat(request=rt.parse_completions(dict(prompt=SCORED, max_tokens=30, min_tokens=30,
+                                                               temperature=0))[0])
+            async for _ in older:  # the older answer decodes (its prompt's blocks committed): then the scoring one
+                async def score():
+                    out["scored"] = await rt.text_completion(SCORED, max_tokens=0, echo=True, logprobs=1)
+                nursery.start_soon(score)
+                break
+            async for _ in older:
+                pass
+        got = [s.logprob for s in out["scored"].choices[0].prompt_logprobs]
+        assert generator.preemptions >= 1
+        assert got[0] is None and None not in got[1:], [j for j, lp in enumerate(got) if lp is None]
+        assert got[1:] == pytest.approx(want[1:], abs=1e-4)
+        await assert_nothing_held(rt)

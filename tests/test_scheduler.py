@@ -212,3 +212,24 @@ def apply(p, live: list[S], orders, block: int) -> None:
             live.append(S(next(orders), s.kv_len, s.kv_len + 1, s.table, admitted=True, request=s.request_id,
                           decoding=True))
         s.n, s.decoding, s.target = 1, True, s.target + 1
+
+
+def test_decode_rows_and_prefills_share_the_budget():
+    """Admission keeps the admitted requests' rows (n per request) within the budget, so decode rows
+    never fill a step: an admitted sequence prefilling again (preempted) always gets a chunk, and a
+    new request waits (oldest first) instead of taking the room."""
+    decoding = [S(i, 10, 11, 1) for i in range(6)]
+    preempted = S(1, 0, 11, 0, admitted=True, request="r-old")
+    fresh = S(9, 0, 20, 0)
+    plan = plan_step(decoding, [fresh, preempted], block_size=16, max_batched_tokens=8, max_running=64)
+    assert [p.seq for p in plan] == [*decoding, preempted] and plan[-1].tokens == 2
+    # with room for its rows (and tokens left), the fresh request is admitted after it
+    plan = plan_step(decoding[:4], [fresh, preempted], block_size=16, max_batched_tokens=16, max_running=64)
+    assert [p.seq for p in plan][-2:] == [preempted, fresh]
+    # a request of 3 choices takes 3 rows: 7 + 3 > 8, it waits
+    wide = S(10, 0, 20, 0)
+    wide.rows = 3
+    plan = plan_step(decoding, [wide], block_size=16, max_batched_tokens=8, max_running=64)
+    assert wide not in [p.seq for p in plan]
+    # the first request is always admitted (the generator refuses one whose n exceeds the budget)
+    assert [p.seq for p in plan_step([], [wide], block_size=16, max_batched_tokens=2, max_running=64)] == [wide]

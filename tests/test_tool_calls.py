@@ -206,6 +206,36 @@ def test_grammar_accepts_calls_and_nothing_else(grammars):
         assert not _accepts(grammars, many, wrong), wrong
 
 
+STRICT = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("parameters, rule", [
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "required": []}, "required"),
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "additionalProperties"),
+])
+def test_a_strict_function_follows_openais_strict_rules_as_response_format_does(parameters, rule):
+    with pytest.raises(BadRequest) as info:
+        parse(tools=[{"type": "function", "function": {"name": "f", "strict": True, "parameters": parameters}}])
+    assert info.value.param.startswith("tools[0].function.parameters") and rule in info.value.message
+    # the same schema without strict is taken (its objects closed, as always)
+    parse(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+
+
+def test_auto_with_a_strict_function_is_text_or_calls_that_validate(grammars):
+    tools, grammar = bound(tools=[STRICT, WEATHER | {"function": {**WEATHER["function"], "name": "loose"}}])
+    assert grammar is not None and tools.parser == "hermes" and tools.choice == "auto"
+    assert bound(tools=[WEATHER])[1] is None  # no strict tool: "auto" stays free
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","days":2}}\n</tool_call>'
+    loose = '<tool_call>\n{"name":"loose","arguments":{"anything":[1]}}\n</tool_call>'
+    for text in ("It is sunny.", "", call, " " + call, call + "\n" + loose):
+        assert _accepts(grammars, grammar, text), text
+    for wrong in (call.replace(',"days":2', ""), call.replace("2}", '"two"}'), call.replace("Paris", 'Paris","x":"1'),
+                  "Sure: " + call, loose.replace("loose", "other")):
+        assert not _accepts(grammars, grammar, wrong), wrong
+
+
 def test_closing_objects_leaves_explicit_ones_alone():
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
                                                "b": {"type": "object", "additionalProperties": True, "properties": {}},

@@ -161,6 +161,28 @@ def test_prefill_takes_a_static_bound_on_the_chunk_length():
     torch.testing.assert_close(out[1:], step.reference()[1:], **TOL[torch.float32])
 
 
+def test_prefill_through_a_tile_map_equals_its_own_grid():
+    """A static step's launch: the programs are the map's (sequence, tile) pairs — the real tiles
+    of every chunk (a chunk of one, a long one, one past a cached prefix), then slack entries past
+    every chunk that do nothing — and the output equals the kernel's own grid over the same step,
+    whatever order the map lists the tiles in."""
+    rng = random.Random(6)
+    step = Step(rng, [(30, 1), (0, 37), (100, 20), (5, 3)], 32, 2, 4, 32, torch.float32, scattered=True)
+    m, scale = step.meta, 1 / math.sqrt(32)
+    own = triton_paged.paged_prefill(step.query, step.k, step.v, m.block_tables, m.seq_lens, m.cu_seqlens_q,
+                                     m.max_query_len, scale)
+    tt = triton_paged.prefill_tile_tokens(4)  # the GQA group: 8 heads over 2 KV heads
+    pairs = [(i, t) for i, n in enumerate(m.lengths) for t in range(-(-n // tt))]
+    rng.shuffle(pairs)
+    pairs += [(0, 1000)] * 5  # slack: past every chunk
+    seqs, tiles = (torch.tensor(col, dtype=torch.int32, device=DEVICE) for col in zip(*pairs))
+    out = torch.full_like(step.query, 7.0)
+    triton_paged.paged_prefill(step.query, step.k, step.v, m.block_tables, m.seq_lens, m.cu_seqlens_q,
+                               10_000, scale, out=out, tile_map=(seqs, tiles))
+    torch.testing.assert_close(out, own, atol=0, rtol=0)
+    torch.testing.assert_close(out, step.reference(), **TOL[torch.float32])
+
+
 def test_the_decode_launch_reads_no_tensor_value():
     """The decode path's launch (tables, lengths and grid) takes nothing from a tensor's contents:
     no `.item()`, no `nonzero`, no copy to the host — what CUDA-graph capture requires. The grid
@@ -214,12 +236,14 @@ def compile_for_h100() -> dict[str, int]:
         kernels = [(triton_paged._decode_split_kernel, dict(common, NUM_SPLITS=8, GROUP_PAD=16))]
         if dtype == "bf16":
             kernels += [(triton_paged._decode_reduce_kernel, dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_DIM=80, D_PAD=128)),
-                        (triton_paged._prefill_kernel, dict(common, BLOCK_Q=9, BLOCK_M=64, HAS_ENDS=True))]
+                        (triton_paged._prefill_kernel, dict(common, BLOCK_Q=9, BLOCK_M=64, HAS_ENDS=True,
+                                                             TILE_MAP=True))]
         for kernel, constexprs in kernels:
             types = {"q_ptr": ptr(dtype), "k_ptr": ptr(dtype), "v_ptr": ptr(dtype), "out_ptr": ptr(dtype),
                      "tables_ptr": ptr("i32"), "seq_lens_ptr": ptr("i32"), "cu_q_ptr": ptr("i32"),
                      "part_o_ptr": ptr("fp32"), "part_ml_ptr": ptr("fp32"), "scale_log2": "fp32",
-                     "split_tokens": i32, "first_seq": i32, "window": i32, "q_ends_ptr": ptr("i32"), **strides}
+                     "split_tokens": i32, "first_seq": i32, "window": i32, "q_ends_ptr": ptr("i32"),
+                     "tile_seq_ptr": ptr("i32"), "tile_idx_ptr": ptr("i32"), **strides}
             signature = {a: "constexpr" if a in constexprs else types[a] for a in kernel.arg_names}
             options = backend.parse_options({"num_warps": 4, "num_stages": 3})
             compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target,

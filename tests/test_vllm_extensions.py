@@ -70,10 +70,24 @@ def test_sampling_extensions_are_parsed():
     ({"guided_choice": []}, "guided_choice", BadRequest),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", BadRequest),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice", BadRequest),
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", UnsupportedParameter),
+    # a GBNF grammar is not a Lark one: refused, naming the field and what the compiler says
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", BadRequest),
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar", BadRequest),
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", BadRequest),
     ({"structured_outputs": {}}, "structured_outputs", BadRequest),
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", BadRequest),  # not one of ours: unknown
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", BadRequest),
+    ({"guided_grammar": 'start: "a"', "guided_regex": "a"}, "guided_grammar", BadRequest),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", UnsupportedParameter),
+    ({"request_id": ""}, "request_id", BadRequest),
+    ({"request_id": "a b"}, "request_id", BadRequest),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", BadRequest),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", BadRequest),
+    ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids", BadRequest),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", BadRequest),
+    ({"min_tokens": 5, "max_completion_tokens": 4}, "min_tokens", BadRequest),
+    ({"priority": 1.5}, "priority", BadRequest),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
+     BadRequest),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(body, param, kind):
     with pytest.raises(kind) as info:
@@ -91,6 +105,21 @@ def test_structured_output_extensions_make_grammars():
     assert '"red" | "blue"' in parse(guided_choice=["red", "blue"]).sampling.grammar
     assert parse(structured_outputs={"regex": "a+"}).sampling.grammar is not None
     assert parse(structured_outputs={"json_object": True}).sampling.grammar is not None
+
+
+def test_vllm_request_fields_are_parsed():
+    r = parse(guided_grammar='start: "red" | "blue"', guided_decoding_backend="guidance", request_id="job-7",
+              truncate_prompt_tokens=12, return_tokens_as_token_ids=True, min_tokens=300, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert '"red" | "blue"' in r.sampling.grammar
+    assert r.options.client_request_id == "job-7" and r.options.truncate_prompt_tokens == 12
+    assert r.options.tokens_as_ids and r.options.continuous_usage
+    assert r.sampling.min_tokens == 300 and r.sampling.max_tokens >= 300  # the default stretches to min_tokens
+    assert parse(structured_outputs={"grammar": 'start: "a"+'}).sampling.grammar is not None
+    for backend in ("auto", "guidance", "llguidance"):
+        parse(guided_decoding_backend=backend)
+    with pytest.raises(UnsupportedParameter, match="priority scheduling"):
+        parse(priority=-1)
 
 
 def test_template_options_and_the_last_message():
@@ -257,3 +286,84 @@ def test_structured_outputs_end_to_end(client):
     r = chat(client, q, max_tokens=8, structured_outputs={"choice": ["blue", "green"]})
     assert r.choices[0].message.content in ("blue", "green")
     assert math.isfinite(r.usage.completion_tokens)
+
+
+def test_guided_grammar_and_structured_outputs_grammar_confine_the_answer(client):
+    lark = 'start: "yes" | "no" | "maybe"'
+    for extra in ({"guided_grammar": lark, "guided_decoding_backend": "guidance"},
+                  {"structured_outputs": {"grammar": lark}}):
+        for color in ("red", "blue"):
+            r = chat(client, colour_question(color), temperature=1.0, seed=3, **extra)
+            assert r.choices[0].message.content.strip() in ("yes", "no", "maybe"), extra
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, guided_grammar="start: (")
+    assert info.value.body["param"] == "guided_grammar" and "Lark grammar" in info.value.body["message"]
+
+
+def test_request_id_labels_the_request_and_the_header_wins(demo_server):
+    url, body = demo_server.url + "/v1/chat/completions", {"model": "demo", "messages": USER, "max_tokens": 2}
+    r = httpx.post(url, json=dict(body, request_id="batch-1.item-2"), timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "batch-1.item-2"
+    assert r.json()["id"] != "chatcmpl-batch-1.item-2"  # a label, never the internal id
+    r = httpx.post(url, json=dict(body, request_id="from-body"), headers={"x-request-id": "from-header"}, timeout=60)
+    assert r.headers["x-request-id"] == "from-header"
+    r = httpx.post(demo_server.url + "/v1/completions", timeout=60,
+                   json={"model": "demo", "prompt": "red", "max_tokens": 2, "request_id": "legacy-3"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "legacy-3"
+
+
+def test_return_tokens_as_token_ids(client, demo_server):
+    plain = chat(client, logprobs=True, top_logprobs=2, max_tokens=4)
+    named = chat(client, logprobs=True, top_logprobs=2, max_tokens=4, return_tokens_as_token_ids=True)
+    assert named.choices[0].message.content == plain.choices[0].message.content  # the text is the text
+    for a, b in zip(plain.choices[0].logprobs.content, named.choices[0].logprobs.content):
+        assert b.token.startswith("token_id:") and b.logprob == pytest.approx(a.logprob, abs=1e-5)
+        assert b.bytes == list(b.token.encode()) and all(t.token.startswith("token_id:") for t in b.top_logprobs)
+    assert GREEN == int(chat(client, colour_question("green"), logprobs=True, max_tokens=1,
+                             return_tokens_as_token_ids=True).choices[0].logprobs.content[0].token.split(":")[1])
+    r = httpx.post(demo_server.url + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": "red green", "max_tokens": 3, "logprobs": 2, "echo": True, "temperature": 0,
+        "return_tokens_as_token_ids": True}).json()["choices"][0]
+    lp = r["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp["top_logprobs"] if top)
+    assert lp["text_offset"][-1] < len(r["text"])  # offsets are still the text's
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(demo_server, client):
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(_demo_dir("demo"))("red green blue " * 8)["input_ids"]
+    post = lambda **b: httpx.post(demo_server.url + "/v1/completions", timeout=60,  # noqa: E731
+                                  json={"model": "demo", "max_tokens": 1, "temperature": 0, **b})
+    cut, tail = post(prompt=ids, truncate_prompt_tokens=5).json(), post(prompt=ids[-5:]).json()
+    assert cut["usage"]["prompt_tokens"] == 5 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    assert post(prompt=ids, truncate_prompt_tokens=-1).json()["usage"]["prompt_tokens"] == len(ids)  # it fits
+    short = chat(client, [{"role": "user", "content": "red green blue " * 8}], max_tokens=1, truncate_prompt_tokens=9)
+    assert short.usage.prompt_tokens == 9
+    with pytest.raises(openai.BadRequestError) as info:  # images are never cut through
+        chat(client, colour_question("red"), truncate_prompt_tokens=4)
+    assert info.value.body["param"] == "truncate_prompt_tokens"
+    assert chat(client, colour_question("red"), truncate_prompt_tokens=10_000).choices[0].message.content == "red"
+
+
+def test_continuous_usage_stats_on_every_chunk(demo_server):
+    for path, extra in (("/v1/chat/completions", {"messages": colour_question("blue")}),
+                        ("/v1/completions", {"prompt": "red green"})):
+        body = {"model": "demo", "stream": True, "max_tokens": 6, "ignore_eos": True, **extra,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with httpx.stream("POST", demo_server.url + path, json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+        assert all(c.get("usage") for c in chunks) and counted == sorted(counted)
+        assert counted[-1] == chunks[-1]["usage"]["completion_tokens"] == 6
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in chunks)
+
+
+def test_min_tokens_above_max_tokens_is_a_400_and_stretches_the_default(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=2, min_tokens=5)
+    assert info.value.body["param"] == "min_tokens"
+    r = client.completions.create(model="demo", prompt="red", temperature=0, extra_body={"min_tokens": 20})
+    assert r.usage.completion_tokens >= 20  # the default of 16 gives way to the explicit min_tokens

@@ -81,7 +81,8 @@ class Answers:
         # the first token is always announced (its text may be held back, e.g. a leading space):
         # callers see the first token when it exists, and a client gone by then is noticed
         logprobs = self._settled_logprobs(seq)
-        event = TokenEvent(text, token, seq.choice, logprobs)
+        event = TokenEvent(text, token, seq.choice, logprobs, prompt_tokens=seq.prompt_len,
+                           completion_tokens=len(seq.tokens))
         if (text or logprobs or len(seq.tokens) == 1) and not seq.handle.emit(event):
             return self._end(seq, SeqState.ABORTED)
         if (seq.assembler.stopped or token in seq.params.stop_token_ids
@@ -111,8 +112,10 @@ class Answers:
         if eos is not None and seq.params.logprobs and handle.request.prompt is not None:
             logprobs += (self._pieces.logprob(eos, ""),)
         if tail or logprobs:
-            handle.emit(TokenEvent(tail, -1, seq.choice, logprobs))
-        usage = Usage(seq.prompt_len, len(seq.tokens), seq.hit_tokens)
+            handle.emit(TokenEvent(tail, -1, seq.choice, logprobs, prompt_tokens=seq.prompt_len,
+                                   completion_tokens=len(seq.tokens) + (eos is not None)))
+        # an EOS the model drew is a token of its answer (as OpenAI and vLLM count it), though no text
+        usage = Usage(seq.prompt_len, len(seq.tokens) + (eos is not None), seq.hit_tokens)
         self._end(seq, SeqState.FINISHED, FinishEvent(reason, usage, seq.job.encoder_hits, seq.choice))
         ttft, total = (seq.first_token_at or time.monotonic()) - handle.created, time.monotonic() - handle.created
         if self.metrics is not None:

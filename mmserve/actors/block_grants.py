@@ -32,100 +32,14 @@ drops those). Resume and Fork stay round trips (they are not per step); the repo
 
 from __future__ import annotations
 
-import itertools
-
 import trio
 
+from mmserve.actors.grant_book import RESERVE_SHARE, RESERVE_SLACK, GrantBook, whole_spans
 from mmserve.actors.messages import Draw, Refill, Release, Resume, Resumed, StepReport
+from mmserve.actors.prompt_scores import scored_blocks
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.errors import ServiceUnavailable
 from mmserve.generation.scheduler import Planned, blocks_for, fit_chunk, newest
-
-RESERVE_SHARE = 8  # the reservation holds at most 1/RESERVE_SHARE of the arena
-RESERVE_SLACK = 2  # blocks beyond the next step's estimate: a request that arrives meanwhile runs at once
-
-
-class Reserve:
-    """The reservation's blocks the generator has not drawn yet, some earmarked for a sequence (the
-    blocks after its table's last one: the manager gave them for that, when they were free). A
-    table grows by the block right after its last one when the reserve holds it (and it is not
-    earmarked for another); otherwise from the start of the largest run of unmarked consecutive
-    blocks (the manager placed it as `cache.free_blocks` places a table: with room to grow after
-    it); a marked block goes last."""
-
-    def __init__(self):
-        self._blocks: set[int] = set()
-        self._marks: dict[int, str] = {}  # block → the sequence (kv owner) it is earmarked for
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._blocks
-
-    def blocks(self) -> list[int]:
-        return sorted(self._blocks)
-
-    def add(self, blocks, earmarks=()) -> None:
-        self._blocks.update(blocks)
-        for owner, marked in earmarks:
-            self._marks.update((b, owner) for b in marked if b in self._blocks)
-
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._marks.clear()
-
-    def marked_for(self, owner: str) -> bool:
-        return owner in self._marks.values()
-
-    def draw(self, owner: str, last: int | None, n: int) -> list[int]:
-        """`n` blocks (at most len(self)) for `owner`'s table, whose last block is `last` (None: empty)."""
-        out: list[int] = []
-        mine = sorted(b for b, o in self._marks.items() if o == owner)
-        while len(out) < n:
-            block = last + 1 if last is not None else (mine[0] if mine else None)
-            if block not in self._blocks or self._marks.get(block, owner) != owner:
-                block = self._placed(n - len(out))
-            self._blocks.remove(block)
-            self._marks.pop(block, None)
-            out.append(block)
-            last = block
-        return out
-
-    def _placed(self, wanted: int) -> int:
-        free = sorted(b for b in self._blocks if b not in self._marks) or sorted(self._blocks)
-        start, length, run_start, prev = 0, 0, None, None
-        for b in free:
-            if prev is None or b != prev + 1:
-                run_start = b
-            prev = b
-            if b - run_start + 1 > length:
-                start, length = run_start, b - run_start + 1
-        return start  # the manager placed each run with room to grow after it
-
-
-class GrantBook:
-    """The generator's side of the reservation protocol."""
-
-    def __init__(self):
-        self.reserve = Reserve()
-        self.lease = 0
-        self.numbers = itertools.count()  # report numbers: one generator never reuses one
-        self.entries: list = []  # Draw | Commit | Release since the last report, in order
-        self.sent_lease: int | None = None  # the lease the last report named
-        self.last_sent = -1  # the last report's number
-        self.last_refill = -1  # the number of the report whose refill was taken last
-        self.due_since: float | None = None  # a refill was asked for and has not come
-        self.manager_free: int | None = None  # what the manager could still give, at its last refill
-        self.exhausted = False  # the answer to the latest report: nothing left to give
-        self.starved = False  # the last plan had tokens no block could be drawn for
-        self.stuck_need = 0  # the most blocks one of those needed
-        self.placing: dict[str, int] = {}  # new tables → the report that asked for their run (-1: not yet)
-        self.waiting_placement = False  # the last plan had a new table waiting for its run
-        self.hinted: dict[str, int] = {}  # running tables → the last block whose successors were asked for
-        self.reports = 0
-        self.refills = 0
-
 
 class BlockGrants:
     """Generator methods: drawing a plan's blocks from the reservation, the step report, refills,
@@ -151,9 +65,12 @@ class BlockGrants:
         live = {s.kv_owner for s in self.seqs if s.state in LIVE and not s.table}
         g.placing = {o: n for o, n in g.placing.items() if o in live}
         g.hinted = {s.kv_owner: g.hinted[s.kv_owner] for s in self.seqs if s.kv_owner in g.hinted and s.table}
+        held_back = False  # a prefill chunk is stuck: younger ones draw nothing (the reserve fills for it)
         for p in plan:
             if p.new_blocks == 0:
                 going.append(p)
+            elif not p.decode and held_back:
+                stuck.append(p)
             elif p.decode:
                 if len(g.reserve) >= p.new_blocks:
                     self._draw(p.seq, p.new_blocks)
@@ -172,6 +89,7 @@ class BlockGrants:
                 tokens = fit_chunk(p.seq, min(p.tokens, (p.seq.table_len + n) * self.block_size - p.seq.kv_len))
                 if tokens <= 0:
                     stuck.append(p)
+                    held_back = True
                     continue
                 n = max(0, blocks_for(p.seq.kv_len + tokens, self.block_size) - p.seq.table_len)
                 self._draw(p.seq, n)
@@ -182,15 +100,20 @@ class BlockGrants:
         if not stuck or g.due_since is not None or not g.exhausted:
             return going  # what waits may be covered by the refill asked for (or to ask for)
         decode = any(p.decode for p in stuck)
-        if not (decode or not going):
+        oldest_p = min(stuck, key=lambda p: p.seq.order)
+        oldest = oldest_p.seq
+        # a stuck prefill preempts when nothing else runs, or else only holders younger than it
+        # (admission is oldest first: older decoders go on, and end, before it)
+        younger = None if decode or not going else oldest.order
+        if younger is not None and not any(s.order > younger for s in self.seqs if s.state in LIVE and s.table):
             return going
-        # victims, newest first, until what they give back covers the stuck decode tokens (or one
-        # block for the oldest prefill): a victim whose blocks others share gives nothing back
-        oldest = min((p.seq for p in stuck), key=lambda s: s.order)
-        need = sum(p.new_blocks for p in stuck if p.decode) if decode else 1
+        # victims, newest first, until what they give back covers the stuck decode tokens (or the
+        # blocks the oldest prefill's chunk lacks): a victim whose blocks others share gives nothing back
+        need = sum(p.new_blocks for p in stuck if p.decode) if decode else \
+            max(1, oldest_p.new_blocks - len(g.reserve))
         while need > 0:
             victim = self._newest_holder(spare=None if decode else oldest)
-            if victim is None:
+            if victim is None or (younger is not None and victim.order <= younger):
                 break  # (with no victim left, lookups pin the blocks for now)
             others = {b for s in self.seqs if s is not victim and s.state in LIVE for b in s.table}
             need -= len(set(victim.table) - others)
@@ -234,7 +157,7 @@ class BlockGrants:
                 want += max(0, blocks_for(kv + 1, bs) - seq.table_len)
                 budget -= 1
         for seq, kv in prefills:
-            chunk = min(seq.target_len - kv, max(0, budget))
+            chunk = whole_spans(seq, kv, min(seq.target_len - kv, max(0, budget)))
             budget -= chunk
             want += max(0, blocks_for(kv + chunk, bs) - seq.table_len)
         return want
@@ -271,7 +194,10 @@ class BlockGrants:
             self.log.warning("generator.refill_timeout", waited_s=round(now - g.due_since, 3))
             g.due_since = None  # asked again below
         need = self._need(plan)
-        cap = max(1, self.kv.num_blocks // RESERVE_SHARE, g.stuck_need if g.starved else 0)
+        stuck = g.stuck_need if g.starved else 0
+        if need is not None:  # a chunk that cannot be cut (an image span) is asked for whole
+            need = max(need, stuck)
+        cap = max(1, self.kv.num_blocks // RESERVE_SHARE, stuck)
         # the reserve to hold: the next step's draws, plus RESERVE_SLACK for requests that arrive
         # meanwhile (none when idle); asked for only when the next step's draws are not covered
         hints = self._hints(plan) if need is not None else ()
@@ -284,7 +210,10 @@ class BlockGrants:
         number = next(g.numbers)
         report = StepReport(number, self.kv_epoch, g.lease, tuple(g.entries), want, self.inbox_send, hints,
                             slack=max(0, want - (need or 0)))
-        g.entries, g.sent_lease, g.last_sent, g.exhausted = [], g.lease, number, False
+        if any(isinstance(e, Release) for e in g.entries):
+            g.exhausted = False  # what it gives back may be enough: not exhausted until a refill says so
+            g.released_in = number
+        g.entries, g.sent_lease, g.last_sent = [], g.lease, number
         for owner, last, _ in report.hints:
             if last is None:
                 g.placing[owner] = number
@@ -306,9 +235,19 @@ class BlockGrants:
                            blocks=len(msg.blocks))
             return
         g.last_refill, g.manager_free, g.due_since = msg.number, msg.free_blocks, None
-        g.exhausted = msg.number == g.last_sent and msg.free_blocks == 0
+        # any refill of this lease tells what the manager had left: nothing, and no release sent
+        # since (a newer report that asks for more need not be answered first) — the oldest's
+        # preemption is not put off by younger sequences that keep reporting
+        g.exhausted = msg.free_blocks == 0 and not any(isinstance(e, Release) for e in g.entries) and \
+            not self._released_since(msg.number)
         g.reserve.add(msg.blocks, msg.earmarks)
         g.refills += 1
+
+    def _released_since(self, number: int) -> bool:
+        """Whether a report after report `number` gave blocks back (a refill answering `number`
+        cannot know of them)."""
+        released = self.grants.released_in
+        return released is not None and released > number
 
     def _new_lease(self) -> None:
         """The reserve is dropped: the next report names a new lease, which gives every block of
@@ -357,6 +296,8 @@ class BlockGrants:
         wants = []
         for seq in seqs:
             most = (seq.target_len - 1) // self.block_size
+            limit = scored_blocks(seq, self.block_size)  # a prompt being scored: no row skipped
+            most = most if limit is None else min(most, limit)
             if not seq.table and seq.kv_len == 0 and most > 0:  # hits only ever start an empty table
                 wants.append((seq.kv_owner, tuple(seq.hashes[:most])))
         if wants:

@@ -144,14 +144,21 @@ def replace(reason: str) -> None:
         log.warning("compute.thread_replaced", reason=reason)
 
 
-async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False, owner: str | None = None) -> T:
+async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False, owner: str | None = None,
+              if_abandoned: Callable[[], Callable[[], None]] | None = None) -> T:
     """Runs `fn(*args)` on the compute thread (with the caller's log context) and returns its
     result. Cancelled callers wait for the step to finish unless `abandon_on_cancel`, in which
     case the step finishes unobserved (its result is dropped). `owner` names the caller for the
-    stall watchdog. A step still queued when the thread is replaced runs on the new thread."""
+    stall watchdog. A step still queued when the thread is replaced runs on the new thread.
+
+    `if_abandoned`, with `abandon_on_cancel`: called (on the event loop, in the cancelled caller)
+    when the caller gives up on a step that is still queued or running — not when it has returned;
+    the callable it returns is called once that step has really finished (on the compute thread,
+    after `fn` returned or raised) or was dropped unrun. What the step may still write is guarded
+    between the two (the generator quarantines its blocks)."""
     while True:
         try:
-            return await _run_once(fn, args, abandon_on_cancel, owner)
+            return await _run_once(fn, args, abandon_on_cancel, owner, if_abandoned)
         except _Dropped:
             continue  # it never ran: nothing to undo, so it runs on the fresh thread
 
@@ -160,7 +167,7 @@ class _Dropped(Exception):
     """A step queued on a compute thread that `replace` abandoned: it never ran."""
 
 
-async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None):
+async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None, if_abandoned=None):
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
     future: Future = _pool().submit(contextvars.copy_context().run, _timed, owner, fn, *args)
@@ -175,7 +182,13 @@ async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None):
 
     future.add_done_callback(wake)
     if abandon_on_cancel:
-        await done.wait()
+        try:
+            await done.wait()
+        except BaseException:
+            if if_abandoned is not None and not future.done():  # it may still write: guarded until it ends
+                settled = if_abandoned()
+                future.add_done_callback(lambda _: settled())  # at once if it ended meanwhile
+            raise
     else:
         with trio.CancelScope(shield=True):
             await done.wait()

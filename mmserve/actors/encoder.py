@@ -69,6 +69,8 @@ class Encoder(Actor):
             jobs = await self._gather()
             self.progressed()
             await self._serve(jobs)
+            # not kept while the next batch is awaited: the last batch's requests would live on
+            del jobs
             self.progressed()
 
     async def _gather(self) -> list[EncodeJob]:

@@ -41,11 +41,14 @@ POINTS = {
     "generator.sample": "generator: sampling one sequence's next token",
     "generator.detokenize": "generator: detokenizing and stop matching one sequence's token",
     "generator.step": "generator: the step's batched forward (actor-wide: restarts the generator)",
+    "generator.forward": "generator: right before the batched forward, after the step's last check that it "
+                         "was not abandoned (a hang there: a step slower than stall_timeout_s that writes "
+                         "after its restart; its blocks are quarantined)",
 }
 
 
 # points where a fault is the actor's own (it dies and is restarted), not one request's
-ACTOR_WIDE = frozenset({"generator.step", "prefix.refill", "prefix.release", "prefix.resume", "prefix.fork"})
+ACTOR_WIDE = frozenset({"generator.step", "generator.forward", "prefix.refill", "prefix.release", "prefix.resume", "prefix.fork"})
 
 
 class InjectedFault(RuntimeError):

@@ -29,22 +29,23 @@ from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
     FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
+from mmserve.actors.step_fences import StepFences
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
-from mmserve.errors import BadRequest, MMServeError, ServiceUnavailable
+from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.step_sampling import sample_rows_and
-from mmserve.generation.scheduler import Planned, plan_step
+from mmserve.generation.scheduler import Planned, never_fits, plan_step
 from mmserve.models.adapter import Adapter
 from mmserve.generation.runner import ModelRunner, StepInputs
 from mmserve.models.paged import Segment
 
 
-class Generator(BlockGrants, Answers, Forking, Actor):
+class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
     name = "generator"
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
@@ -75,6 +76,7 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
         self.reencoded_images = 0  # images preempted sequences encoded again (their cached KV was gone)
         self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
+        self._step_ids = itertools.count()  # each step's own number: the quarantine of an abandoned one
         self.kv_epoch: int | None = None  # the latest life of the cache manager heard of
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
@@ -165,11 +167,10 @@ class Generator(BlockGrants, Answers, Forking, Actor):
             return
         seq.matcher = matchers[0]
         seq.forks = [(make_generator(params, c), matchers[c]) for c in range(1, params.n)]
-        if -(-(seq.target_len + 1) // self.block_size) > self.kv.num_blocks:
-            self._fail(seq, BadRequest(
-                f"the prompt needs {seq.target_len + 1} tokens of KV cache; this model's KV arena holds "
-                f"{self.kv.num_blocks * self.block_size} tokens: raise [kv_cache] budget_bytes",
-                param="messages", code="context_length_exceeded"), "admission")
+        refusal = never_fits(seq.target_len, params.n, self.kv.num_blocks, self.block_size,
+                             self.config.max_batched_tokens)
+        if refusal is not None:
+            self._fail(seq, refusal, "admission")
             return
         self.seqs.append(seq)
         self.in_flight[seq.request_id] = seq.handle
@@ -239,7 +240,7 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         self._step_end = None
         try:
             results = await compute.run(self._step, plan, self._copies, self._incarnation, abandon_on_cancel=True,
-                                        owner=self.key)
+                                        owner=self.key, if_abandoned=self._quarantine(plan))
         finally:
             self._release_copies()
         self._step_end = time.monotonic()
@@ -317,6 +318,7 @@ class Generator(BlockGrants, Answers, Forking, Actor):
         fault("generator.step")
         if incarnation != self._incarnation:  # abandoned (a hang, then a restart): its blocks are gone
             return results
+        fault("generator.forward")  # past that check: a step slowed here writes after its abandonment
         wanted = [(r, i) for r, i in enumerate(rows) if plan[i].seq.kv_len + plan[i].tokens == plan[i].seq.target_len]
         constrained = [plan[i].seq for _, i in wanted if plan[i].seq.matcher is not None]
         masks = MaskJob(self.grammars, [s.matcher for s in constrained]) if constrained else None

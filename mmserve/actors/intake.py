@@ -131,17 +131,34 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
         keys = tuple(adapter.image_key(img) for img in images)
         prompt = dataclasses.replace(prompt, mm_keys=keys)
     param = "messages" if request.prompt is None else "prompt"
+    max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
+    if request.options.truncate_prompt_tokens is not None:
+        prompt = truncated(adapter, prompt, request.options.truncate_prompt_tokens, limits, max_pos)
     if len(prompt.input_ids) > limits.max_prompt_tokens:
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens, above this server's limit of "
             f"{limits.max_prompt_tokens}", param=param, code="context_length_exceeded")
-    max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
     if max_pos and len(prompt.input_ids) >= max_pos:
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens; model {adapter.name!r} has a context "
             f"of {max_pos}", param=param, code="context_length_exceeded")
     refuse_prompt_beyond_arena(len(prompt.input_ids), arena_tokens, param)
     return prompt
+
+
+def truncated(adapter: Adapter, prompt: PromptInputs, keep: int, limits: LimitsConfig, max_pos: int) -> PromptInputs:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as this server
+    and the model take, leaving room for one answer token). A prompt with images is refused rather
+    than cut: its images' tokens would be cut through or moved away from their pixels."""
+    if keep == -1:
+        keep = min(limits.max_prompt_tokens, max_pos - 1 if max_pos else limits.max_prompt_tokens)
+    if len(prompt.input_ids) <= keep:
+        return prompt
+    if prompt.spans:
+        raise BadRequest(f"'truncate_prompt_tokens' would cut this prompt ({len(prompt.input_ids)} tokens) to "
+                         f"{keep}, and it holds images, which mmserve does not cut; send a shorter conversation",
+                         param="truncate_prompt_tokens")
+    return adapter.tokenize_raw(prompt.input_ids[-keep:])
 
 
 def raw_prompt_ids(adapter: Adapter, raw: RawPrompt) -> tuple[int, ...]:
@@ -200,6 +217,9 @@ class Intake(Actor):
                 self.progressed()
                 self.in_flight[msg.handle.request_id] = msg.handle
                 nursery.start_soon(self._prepare, msg)
+                # the task holds it now; bound here, the loop variable would keep the last request
+                # (its images' data URLs, its output channel) alive until the next one arrives
+                del msg
 
     async def _fetch(self, handle: RequestHandle, urls: dict, log) -> dict | None:
         """Fetches the request's remote images; None when the caller left (the fetch is cancelled).
@@ -315,15 +335,22 @@ class Intake(Actor):
             return PrefixState(hashes)
         reply, answers = trio.open_memory_channel(1)
         prefix_cache.send_nowait(Lookup(handle.request_id, wanted, reply, handle.client_request_id))
-        # closed on the way out: an answer that comes too late finds no one, and the manager
-        # releases what it pinned for it at once
-        with answers, trio.move_on_after(self.lookup_wait_s):
-            answer = await answers.receive()
-            if isinstance(answer, PrefixFailed):
-                self.fail_request(handle, answer.error, answer.stage)
-                prefix_cache.send_nowait(Release(handle.request_id))  # every lookup is settled by one
-                return None
-            return PrefixState(hashes, answer.blocks, len(answer.blocks) * self.block_size, True, answer.epoch)
-        # blocks granted after this are the request's still: its Release (at its end) frees them
-        self.log.warning("intake.lookup_timeout", request_id=handle.request_id, waited_s=self.lookup_wait_s)
-        return PrefixState(hashes, registered=True)
+        settled = False  # the lookup is answered: its Release is sent below, or at the request's end
+        try:
+            # closed on the way out: an answer that comes too late finds no one, and the manager
+            # releases what it pinned for it at once
+            with answers, trio.move_on_after(self.lookup_wait_s):
+                answer = await answers.receive()
+                settled = True
+                if isinstance(answer, PrefixFailed):
+                    self.fail_request(handle, answer.error, answer.stage)
+                    prefix_cache.send_nowait(Release(handle.request_id))  # every lookup is settled by one
+                    return None
+                return PrefixState(hashes, answer.blocks, len(answer.blocks) * self.block_size, True, answer.epoch)
+            # blocks granted after this are the request's still: its Release (at its end) frees them
+            settled = True
+            self.log.warning("intake.lookup_timeout", request_id=handle.request_id, waited_s=self.lookup_wait_s)
+            return PrefixState(hashes, registered=True)
+        finally:
+            if not settled:  # cancelled while waiting (intake restarting): no one else will
+                prefix_cache.send_nowait(Release(handle.request_id))

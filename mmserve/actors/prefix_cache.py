@@ -38,12 +38,13 @@ import trio
 
 from mmserve.actors import compute
 from mmserve.actors.base import Actor
+from mmserve.actors.quarantine_side import QuarantineSide
 from mmserve.actors.reservation_side import ReservationSide, send as _send
 from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.messages import (
     ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release, Resume, Resumed,
-    StepReport, copy_pin, lookup_pin)
+    StepFence, StepReport, StepReturned, copy_pin, lookup_pin)
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
@@ -53,7 +54,7 @@ from mmserve.config import KVCacheConfig
 from mmserve.errors import MMServeError
 
 
-class PrefixCacheManager(ReservationSide, Actor):
+class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
     name = "prefix_cache"
 
     def __init__(self, model: str, config: KVCacheConfig, num_blocks: int):
@@ -70,6 +71,10 @@ class PrefixCacheManager(ReservationSide, Actor):
         self.shared_restored = 0  # blocks restored from the shared tier
         self.last_report = -1  # the latest step report handled: kept across restarts (never reused)
         self.refused_draws = 0  # draws of blocks the reservation did not hold (each failed its request)
+        # abandoned steps still running → the blocks they may write: held under `StepFence(step)`
+        # in the arena (so never allocated) until `StepReturned(step)`; kept across restarts
+        self.quarantined: dict[int, tuple[int, ...]] = {}
+        self.returned_steps: set[int] = set()  # returned before their quarantine came: none is needed
         self._reset()
 
     def _reset(self) -> None:
@@ -84,6 +89,14 @@ class PrefixCacheManager(ReservationSide, Actor):
         self.epoch += 1
         if self.kv is not None:  # a step of an earlier epoch no longer writes (see `_restore`)
             self.kv.epoch = self.epoch
+        for step, blocks in self.quarantined.items():  # an abandoned step writes on, whatever life this is
+            self.arena.hold(StepFence(step), blocks)
+
+    def attach_kv(self, runner) -> None:
+        """The generator's model runner: its arena's epoch is this manager's life from now on (the
+        fence a step checks before it writes, shared tier or not); exports and restores use it."""
+        self.kv = runner
+        runner.epoch = self.epoch
 
     async def run(self) -> None:
         if self.epoch > 1 and self.generator is not None:  # restarted: the generator's tables are void
@@ -114,6 +127,8 @@ class PrefixCacheManager(ReservationSide, Actor):
         elif isinstance(msg, Release):
             await afault("prefix.release", msg.request_id)
             self._release(msg)
+        elif isinstance(msg, StepReturned):
+            self._step_returned(msg)
         elif isinstance(msg, SharedBlocks):
             await self._restore(msg)
         elif isinstance(msg, Fork):
@@ -372,4 +387,5 @@ class PrefixCacheManager(ReservationSide, Actor):
                     refused_draws=self.refused_draws, block_size=self.block_size, waiting_lookups=len(self.inflight),
                     inflight_blocks=self.inflight.registered_blocks, dedup_waits=self.dedup_waits,
                     hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size,
-                    shared_restored_blocks=self.shared_restored)
+                    shared_restored_blocks=self.shared_restored, quarantined_blocks=self.quarantined_blocks,
+                    quarantined_steps=len(self.quarantined))

@@ -77,6 +77,21 @@ class PromptRows:
                 at += 1
 
 
+def scored_blocks(seq: Sequence, block_size: int) -> int | None:
+    """How many of its first blocks a preempted sequence that scores its prompt may get back from
+    the cache: those whose every row it has scored already (a block restored has KV, no logits —
+    its positions would come back without a logprob). None: no limit (it scores nothing, or its
+    whole prompt is scored, or they were sent already: its prefill ended once; a forked choice
+    scores nothing)."""
+    if not scores_prompt(seq.handle.request) or seq.echoed or seq.choice:
+        return None
+    last = seq.prompt_len - 1  # positions 1..last have a logprob
+    scored = 0
+    while scored < last and scored + 1 in seq.prompt_scores:
+        scored += 1
+    return None if scored >= last else scored // block_size
+
+
 def prompt_logprobs(seq: Sequence, pieces) -> tuple[PromptLogprob, ...]:
     """The prompt's entries (the first without a logprob), token texts from `pieces` (TokenPieces)."""
     out = []

@@ -8,7 +8,8 @@ from __future__ import annotations
 import trio
 
 from mmserve.actors.faults import afault
-from mmserve.actors.messages import Commit, Draw, PrefixFailed, Refill, Release, Reservation, StepReport
+from mmserve.actors.messages import (
+    Commit, Draw, PrefixFailed, Quarantine, Refill, Release, Reservation, StepReport)
 from mmserve.cache.keys import key_prefix
 from mmserve.errors import ServiceUnavailable
 
@@ -36,7 +37,9 @@ class ReservationSide:
                 self.arena.free(self.reservation)
             self.lease = msg.lease
         for entry in msg.entries:
-            if isinstance(entry, Release):
+            if isinstance(entry, Quarantine):  # in any life: the step writes whatever life granted them
+                self._quarantine(entry)
+            elif isinstance(entry, Release):
                 await afault("prefix.release", entry.request_id)
                 self._release(entry)
             elif not current:

@@ -103,6 +103,11 @@ class Sequence:
         return self.job.prompt.bidirectional
 
     @property
+    def rows(self) -> int:
+        """The decode rows its request takes a step once prefilled: one per choice."""
+        return self.params.n
+
+    @property
     def prompt_len(self) -> int:
         return len(self.job.prompt.input_ids)
 

@@ -7,14 +7,8 @@ a local prefix hit (and hands it the blocks committed here). Keys and values are
 namespace, and values whose header and HMAC tag (under the secret the replicas share) make any
 corrupt, truncated, foreign or forged value a miss.
 
-Nothing anyone else writes to Redis is believed:
-- a look-up reads at most the exact size a value of its key has (`GETRANGE key 0 size`): a longer
-  value is refused without being read (a 200 MB value planted under a key costs one value's bytes);
-- a value that does not verify (tag, format, size, or a NaN/inf in it) is a miss, counted by reason
-  (`rejected`), and deleted — unless it was rewritten since it was read (a compare-and-delete in
-  one Lua script, so an honest value written in between stays);
-- writes overwrite (`SET EX`, not `SET NX`): a planted value never locks an honest one out;
-- only values that verified have their TTL renewed (after the read, in the background).
+Nothing anyone else writes to Redis is believed, and the client is redis-py's synchronous one in
+trio worker threads: see `actors.shared_tier_io` for both.
 
 Never slower and never down because of the tier:
 - a look-up has a deadline (`lookup_deadline_ms`): a late answer is a miss;
@@ -26,24 +20,14 @@ Never slower and never down because of the tier:
   answer "miss" at once and writes are dropped. Requests are always answered from local compute;
 - the tier connects as its model loads (`connect`, before the model is ready), not in a look-up's
   deadline; a Redis down then turns it off as above (the model loads and serves regardless).
-
-The client: redis-py's synchronous client over one `ConnectionPool`, called from trio worker
-threads (`trio.to_thread.run_sync`). redis-py is the maintained client with TLS (`rediss://`),
-passwords in the URL and pipelining; its asyncio client needs an asyncio event loop (under trio
-only through a bridge such as trio-asyncio), and the trio-native clients are unmaintained. A
-worker thread per round trip costs ~50 us, small beside a network round trip, and the pool is
-thread-safe. A thread that outlives its look-up's deadline is abandoned (its answer is dropped);
-look-ups in threads are bounded by a limiter and the client's socket timeout.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
@@ -51,66 +35,18 @@ import torch
 import trio
 
 from mmserve.actors.base import Actor
+from mmserve.actors.kv_messages import FetchBlocks, SharedBlocks
+from mmserve.actors.shared_tier_io import (
+    DELETE_REFUSED_LUA, Refused, describe, public_error, read_values, renew_and_delete, write_values)
+from mmserve.actors.write_settlement import WriteSettlement
 from mmserve.cache.keys import key_prefix
-from mmserve.cache.shared_values import (
-    KIND_KV_BLOCK, MAGIC, REJECT_REASONS, SHARED_VALUE_LAYOUT_VERSION, MacKey, Rejected, all_finite, block_key, encode,
-    value_size, verify)
+from mmserve.cache.shared_values import KIND_KV_BLOCK, REJECT_REASONS, MacKey, block_key
 from mmserve.config import SharedCacheConfig
 
 ON, OFF = "on", "off"
 LATE_STREAK_OFF = 3  # this many late look-ups in a row count as an error (Redis is too slow)
 FETCH_CHUNK_BYTES = 4 << 20  # KV blocks are read about this much per round trip (what arrived by the deadline is kept)
 TIDY_PENDING_MAX = 8  # after-read rounds (TTL renewals, deletions of refused values) waiting; more are skipped
-REFUSED_PREFIX_BYTES = 128  # what a compare-and-delete compares: the header and tag of any value, and more
-
-# Deletes a value that was refused, unless it was rewritten since it was read: KEYS[1] the key;
-# ARGV[1] the first bytes that were read of it, ARGV[2] how many bytes were read, ARGV[3] "1" when
-# the read stopped short (the value is at least that long), "0" when it read the whole value.
-# A key of another type than a string (never one of ours) is deleted.
-DELETE_REFUSED_LUA = """
-local t = redis.call('TYPE', KEYS[1])['ok']
-if t == 'none' then return 0 end
-if t ~= 'string' then return redis.call('DEL', KEYS[1]) end
-local n = redis.call('STRLEN', KEYS[1])
-local read = tonumber(ARGV[2])
-if (ARGV[3] == '1' and n < read) or (ARGV[3] == '0' and n ~= read) then return 0 end
-if redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[1]) - 1) ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
-"""
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A stored value a look-up refused: enough of it to delete it unless it was rewritten since."""
-
-    key: bytes
-    reason: str
-    prefix: bytes  # its first REFUSED_PREFIX_BYTES bytes (fewer when it is shorter)
-    read: int  # bytes read of it
-    partial: bool  # the read stopped at the size limit: the value is longer
-
-
-@dataclass(frozen=True)
-class FetchBlocks:
-    """Manager → tier: the KV blocks stored under `hashes` (a chain, in order), as many consecutive
-    ones from the first as the tier holds, each [2, layers, block_size, kv_heads, head_dim]."""
-
-    request_id: str
-    hashes: tuple[bytes, ...]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    epoch: int
-    reply: trio.MemorySendChannel
-
-
-@dataclass(frozen=True)
-class SharedBlocks:
-    """Tier → manager: the answer to a FetchBlocks (always sent, empty on a miss, error or late)."""
-
-    request_id: str
-    epoch: int
-    blocks: tuple[torch.Tensor, ...]
-    elapsed_s: float
 
 
 class SharedTier(Actor):
@@ -140,9 +76,7 @@ class SharedTier(Actor):
         self._nursery: trio.Nursery | None = None
         self._probing = False
         self._late_streak = 0
-        self._queued = 0  # values ever queued; the n-th one queued is settled once _settled >= n
-        self._settled = 0  # values written, failed or dropped, in queue order
-        self._settle_waits: list[tuple[int, trio.Event]] = []
+        self._writes_settled = WriteSettlement()  # values queued vs written, failed or dropped
         self._writes_send, self._writes = trio.open_memory_channel(config.write_queue)
         self._limiter = trio.CapacityLimiter(self.LOOKUP_THREADS)
 
@@ -235,7 +169,7 @@ class SharedTier(Actor):
             await self._open_pool()
         except Exception as e:
             self.counts["probes_failed"] += 1
-            self.last_error, self.public_error = _describe(e), _public(e)
+            self.last_error, self.public_error = describe(e), public_error(e)
             self.backoff_s = min(self.backoff_s * 2, self.config.max_backoff_s)
             self.off_until = trio.current_time() + self.backoff_s
         else:
@@ -246,8 +180,8 @@ class SharedTier(Actor):
 
     def _failed(self, error: BaseException | str, during: str) -> None:
         self.counts["errors"] += 1
-        self.last_error = error if isinstance(error, str) else _describe(error)
-        self.public_error = error if isinstance(error, str) else _public(error)  # a str is ours: no address in it
+        self.last_error = error if isinstance(error, str) else describe(error)
+        self.public_error = error if isinstance(error, str) else public_error(error)  # a str is ours: no address in it
         if self.state == ON:  # logged once per outage; the probes that fail are only counted
             self.state = OFF
             self.counts["outages"] += 1
@@ -317,36 +251,9 @@ class SharedTier(Actor):
         return out
 
     def _get_decode(self, kind: int, keys: list[bytes], dtype: torch.dtype, shapes) -> tuple[list, list, list]:
-        """(tensors or None per key, the keys whose values verified, the values refused) — in a
-        worker thread. Each value is read up to one byte past its exact size: a longer one is
-        refused without reading the rest."""
+        """(Worker thread.) `shared_tier_reads.read_values` on this tier's client and secret."""
         torch.set_num_threads(1)  # see actors/compute.py: no second OpenMP team
-        sizes = [value_size(dtype, s) for s in shapes]
-        pipe = self.client().pipeline(transaction=False)
-        for k, size in zip(keys, sizes):
-            pipe.getrange(k, 0, size)  # inclusive: at most size + 1 bytes
-        values = pipe.execute(raise_on_error=False)
-        out, found, refused = [], [], []
-        for k, v, size, shape in zip(keys, values, sizes, shapes):
-            if isinstance(v, Exception):
-                if not str(v).startswith("WRONGTYPE"):
-                    raise v  # Redis refuses reads: the tier's error, not this value's
-                got = Rejected("format")  # a hash, list... under our key: never one of ours
-                v = b""
-            elif not v:
-                out.append(None)  # absent (an empty string is no value of ours either)
-                continue
-            elif len(v) != size:  # another layout's value is left to its replicas; any other is refused
-                got = Rejected("version" if _other_layout(v) else "size")
-            else:
-                got = verify(kind, k, v, self.mac, dtype, shape)
-            if isinstance(got, Rejected):
-                out.append(None)
-                refused.append(Refused(k, got.reason, bytes(v[:REFUSED_PREFIX_BYTES]), len(v), len(v) > size))
-            else:
-                out.append(got)
-                found.append(k)
-        return out, found, refused
+        return read_values(self.client(), kind, keys, dtype, shapes, self.mac)
 
     def _tidy_soon(self, found: list[bytes], refused: list[Refused]) -> None:
         """After a look-up has answered: the TTLs of the values that verified are renewed, the
@@ -368,7 +275,7 @@ class SharedTier(Actor):
         except redis.exceptions.ResponseError as e:  # e.g. an ACL without EVAL: look-ups and writes still work
             self.counts["tidy_errors"] += 1
             if self.counts["tidy_errors"] == 1:
-                self.log.warning("shared_tier.tidy_refused", error=_describe(e))
+                self.log.warning("shared_tier.tidy_refused", error=describe(e))
         except Exception as e:
             self._failed(e, "tidy")
         finally:
@@ -376,14 +283,7 @@ class SharedTier(Actor):
 
     def _renew_and_delete(self, found: list[bytes], refused: list[Refused]) -> int:
         """(Worker thread.) One pipelined round trip; how many refused values were deleted."""
-        client = self.client()
-        pipe = client.pipeline(transaction=False)
-        for k in found:
-            pipe.expire(k, self.config.ttl_s)
-        for r in refused:
-            self._delete_refused(keys=[r.key], args=[r.prefix, r.read, 1 if r.partial else 0], client=pipe)
-        replies = pipe.execute()
-        return sum(1 for x in replies[len(found):] if x == 1)
+        return renew_and_delete(self.client(), self._delete_refused, found, refused, self.config.ttl_s)
 
     async def _fetch_blocks(self, msg: FetchBlocks) -> None:
         t0, found = time.monotonic(), []
@@ -415,19 +315,17 @@ class SharedTier(Actor):
         except trio.WouldBlock:
             self.counts["dropped_full"] += 1
             return False
-        self._queued += 1
+        self._writes_settled.queued()
         return True
 
     def deliver_after_writes(self, handle, event) -> None:
         """Emits `event` to `handle` once every value queued so far is written (or failed, or
         dropped), and at the latest after `finish_flush_ms`: a response ends when the blocks it
         committed can be found by any replica."""
-        target = self._queued
-        if self._settled >= target or self._nursery is None or not self.config.finish_flush_ms:
+        done = self._writes_settled.all_queued_so_far()
+        if done.is_set() or self._nursery is None or not self.config.finish_flush_ms:
             handle.emit(event)
             return
-        done = trio.Event()
-        self._settle_waits.append((target, done))
         self._nursery.start_soon(self._deliver, handle, event, done)
 
     async def _deliver(self, handle, event, done: trio.Event) -> None:
@@ -439,13 +337,6 @@ class SharedTier(Actor):
             self.counts["finish_flush_wait_ms"] += round((trio.current_time() - t0) * 1000)
         finally:  # whatever happens to this actor, the response ends
             handle.emit(event)
-
-    def _settle(self, n: int) -> None:
-        self._settled += n
-        ready = [e for target, e in self._settle_waits if target <= self._settled]
-        self._settle_waits = [(t, e) for t, e in self._settle_waits if t > self._settled]
-        for e in ready:
-            e.set()
 
     async def _write_loop(self) -> None:
         while True:
@@ -459,7 +350,7 @@ class SharedTier(Actor):
             try:
                 await self._write(batch)
             finally:
-                self._settle(len(batch))
+                self._writes_settled.settled(len(batch))
 
     async def _write(self, batch: list) -> None:
         if not self.active():
@@ -478,31 +369,14 @@ class SharedTier(Actor):
             self.log.warning("shared_tier.refused_write", values=refused)
 
     def _set_many(self, batch: list) -> tuple[int, int, int]:
-        """Writes a batch in one pipelined round trip. SET EX, not SET NX: whatever is under the
-        key (a value another replica wrote, or one planted there) is replaced by this honest one.
-        A tensor that is not finite is never written: this replica's own fault, not spread.
-        (values written, their bytes, values refused)."""
+        """(Worker thread.) `shared_tier_io.write_values` on this tier's client and secret."""
         torch.set_num_threads(1)
-        pipe = self.client().pipeline(transaction=False)
-        nbytes = written = refused = 0
-        for kind, key, tensor in batch:
-            tensor = tensor.detach().to("cpu")  # once, for the check and the bytes
-            if not all_finite(tensor):
-                refused += 1
-                continue
-            value = encode(kind, key, tensor, self.mac)
-            nbytes += len(value)
-            written += 1
-            pipe.set(key, value, ex=self.config.ttl_s)
-        if written:
-            pipe.execute()
-        return written, nbytes, refused
+        return write_values(self.client(), batch, self.mac, self.config.ttl_s)
 
     @property
     def pending_writes(self) -> int:
-        """Values queued or being written now (counted from queue to settlement: a value handed
-        straight to the waiting writer is in neither the channel's buffer nor a batch yet)."""
-        return self._queued - self._settled
+        """Values queued or being written now."""
+        return self._writes_settled.pending
 
     # -- reporting --------------------------------------------------------------------------------
 
@@ -525,34 +399,6 @@ class SharedTier(Actor):
         s = self.stats()
         return {"state": s["state"], "last_error": self.public_error, "retry_in_s": s["retry_in_s"],
                 "errors": s["errors"], "dropped_full": s["dropped_full"]}
-
-
-def _other_layout(value: bytes) -> bool:
-    """Whether `value` says it is a value of another layout version than this one's."""
-    return (len(value) >= 6 and value[:4] == MAGIC
-            and struct.unpack_from("<H", value, 4)[0] != SHARED_VALUE_LAYOUT_VERSION)
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _public(e: BaseException) -> str:
-    """What kind of failure `e` is, in words that say nothing of where Redis is (redis-py's
-    messages name the host and port)."""
-    import redis.exceptions as rex
-
-    if isinstance(e, rex.AuthenticationError):
-        return "Redis refused the credentials"
-    if isinstance(e, (rex.TimeoutError, TimeoutError)):
-        return "Redis did not answer in time"
-    if isinstance(e, (rex.ConnectionError, ConnectionError, OSError)):
-        return "Redis is unreachable"
-    if isinstance(e, rex.OutOfMemoryError) or (isinstance(e, rex.ResponseError) and str(e).startswith("OOM")):
-        return "Redis is full (it refuses writes)"
-    if isinstance(e, rex.ResponseError):
-        return "Redis refused a command"
-    return f"Redis error ({type(e).__name__})"
 
 
 def attach_shared_tier(actors: dict, adapter, config: SharedCacheConfig) -> dict:

@@ -87,14 +87,17 @@ class TokenPieces:
         from the first token), the alternatives lose that same leading whitespace."""
         own, raw = self(sampled.token_id)
         if text is None or text == own:
-            return TokenLogprob(own, sampled.logprob, raw, tuple(_entry(self(t), lp) for t, lp in sampled.top))
+            return TokenLogprob(own, sampled.logprob, raw, tuple(_entry(self(t), lp, t) for t, lp in sampled.top),
+                                sampled.token_id)
         cut = own[: len(own) - len(text)] if own.endswith(text) and own[: len(own) - len(text)].isspace() else ""
-        top = tuple(_entry(_without(self(t), cut), lp) for t, lp in sampled.top)
-        return TokenLogprob(text, sampled.logprob, tuple(text.encode()), top)
+        shown = (text, tuple(text.encode()))  # the chosen token among its alternatives reads as it does itself
+        top = tuple(_entry(shown if t == sampled.token_id else _without(self(t), cut), lp, t)
+                    for t, lp in sampled.top)
+        return TokenLogprob(text, sampled.logprob, tuple(text.encode()), top, sampled.token_id)
 
 
-def _entry(piece: tuple[str, tuple[int, ...]], logprob: float) -> TokenLogprob:
-    return TokenLogprob(piece[0], logprob, piece[1])
+def _entry(piece: tuple[str, tuple[int, ...]], logprob: float, token_id: int) -> TokenLogprob:
+    return TokenLogprob(piece[0], logprob, piece[1], (), token_id)
 
 
 def _without(piece: tuple[str, tuple[int, ...]], lead: str) -> tuple[str, tuple[int, ...]]:

@@ -11,19 +11,20 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mmserve.errors import (BadRequest, Forbidden, InternalError, MMServeError, PayloadTooLarge, Unauthorized,
-                            UnsupportedMediaType, clip)
+from mmserve.errors import BadRequest, Forbidden, InternalError, MMServeError, PayloadTooLarge, Unauthorized
 from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mmserve.api import openai_json
+from mmserve.api import openai_json, responses
+from mmserve.api.body_guard import BodyGuard
+from mmserve.api.loads import register_loads_route
+from mmserve.api.request_body import JsonBodies
 from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, complete, new_request_id
 from mmserve.runtime.stream import Usage
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# application/json, or a structured-syntax JSON type such as application/merge-patch+json (RFC 6839)
-_JSON_MEDIA_TYPE = re.compile(r"application/(?:[a-z0-9!#$&^_.-]+\+)?json", re.I)
-_UTF8_CHARSETS = {"utf-8", "utf8"}
 log = get_logger("http")
+# the routes an API key guards (when keys are set): the OpenAI API and vLLM's tokenizer routes
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def error_response(err: MMServeError) -> Response:
@@ -43,9 +44,17 @@ def _http_error(exc: HTTPException) -> MMServeError:
 
 
 def create_app(rt: Runtime) -> QuartTrio:
+    """The app; its ASGI entry (`app.asgi_app`) passes the body guard first (`body_guard`: every
+    request body within `server.body_timeout_s`, bodies in flight bounded)."""
     app = QuartTrio("mmserve")
-    app.config["MAX_CONTENT_LENGTH"] = None  # enforced by _read_body, which can answer 413 cleanly
+    app.config["MAX_CONTENT_LENGTH"] = None  # enforced by read_body, which can answer 413 cleanly
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
+    app.json.sort_keys = False  # answers keep their order: a legacy top_logprobs dict is most likely first
+    server = rt.config.server
+    app.asgi_app = BodyGuard(app.asgi_app, timeout_s=server.body_timeout_s, max_bodies=server.max_bodies_in_flight,
+                             max_bytes=server.max_body_bytes_in_flight, max_body_bytes=server.max_body_bytes,
+                             on_refuse=lambda err: rt.reject(err, None))
+    bodies = JsonBodies()
 
     api_keys = [k.encode() for k in rt.config.auth.keys()]
     admin_key = rt.config.auth.admin().encode()
@@ -56,15 +65,13 @@ def create_app(rt: Runtime) -> QuartTrio:
         incoming = request.headers.get("x-request-id", "")
         g.client_request_id = incoming if _REQUEST_ID.match(incoming) else None
         g.request_id = new_request_id()  # names errors raised before admission; admission mints its own
-        try:
-            if request.path.startswith(("/debug/", "/admin/")):
-                _require_admin(admin_key)
-            elif api_keys and request.path.startswith("/v1/"):
-                if not _matches(_bearer(), api_keys):
-                    raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
-        except MMServeError:
-            await _drain(rt.config.server.max_body_bytes)  # an unread body would garble the connection
-            raise
+        # on the headers alone: a refused request is answered at once, its body never waited for
+        # (hypercorn closes a connection whose request body is unfinished when the answer ends)
+        if request.path.startswith(("/debug/", "/admin/")):
+            _require_admin(admin_key)
+        elif api_keys and request.path.startswith(KEYED_PATHS):
+            if not _matches(_bearer(), api_keys):
+                raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     @app.after_request
     async def add_request_id(response):
@@ -114,8 +121,7 @@ def create_app(rt: Runtime) -> QuartTrio:
     @app.post("/admin/cache/reset")
     async def reset_caches():
         """Body (optional): {"model": name, "caches": ["encoder", "prefix"]}; default: all of both."""
-        raw = await _read_body(rt.config.server.max_body_bytes)
-        body = _json(raw, request.headers.get("content-type")) if raw.strip() else {}
+        body = await bodies.read(rt.config.server.max_body_bytes, empty={})
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object like {\"model\": \"demo\", \"caches\": [\"prefix\"]}")
         model, caches = body.get("model"), body.get("caches", list(CACHE_KINDS))
@@ -142,12 +148,11 @@ def create_app(rt: Runtime) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
-        parsed = rt.parse(body)
+        parsed = await bodies.read(rt.config.server.max_body_bytes, then=rt.parse)
         stream = rt.chat(request=parsed, client_request_id=g.client_request_id, request_id=g.request_id)
-        g.request_id = stream.request_id
+        g.request_id, g.client_request_id = stream.request_id, stream.client_request_id
         if not parsed.stream:
-            return openai_json.completion(await complete(stream))
+            return openai_json.completion(await complete(stream), parsed.options.tokens_as_ids)
         try:
             first = await stream.__anext__()
         except BaseException:
@@ -158,17 +163,40 @@ def create_app(rt: Runtime) -> QuartTrio:
         response.timeout = None  # a long stream must not be cut by Quart's response timeout
         return response
 
+    @app.post("/v1/responses")
+    async def create_response():
+        """OpenAI's Responses API, on the chat path (mmserve.api.responses)."""
+        body = await bodies.read(rt.config.server.max_body_bytes)
+        return await responses.answer(rt, body, g)
+
+    @app.route("/v1/responses/<path:response_id>", methods=["GET", "DELETE", "POST"])
+    async def stored_response(response_id: str):
+        """Retrieve, delete, cancel, input items: a 404 that says nothing is stored."""
+        raise responses.not_stored(response_id.split("/")[0])
+
+    @app.post("/tokenize")
+    async def tokenize():
+        """vLLM's /tokenize (mmserve.runtime.tokenization): a prompt, or chat messages."""
+        return await rt.tokenize(await bodies.read(rt.config.server.max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize():
+        return await rt.detokenize(await bodies.read(rt.config.server.max_body_bytes))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return await rt.tokenizer_info(request.args.get("model"))
+
     @app.post("/v1/completions")
     async def completions():
         """OpenAI's legacy completions: one request per prompt on the chat path, untemplated."""
-        body = _json(await _read_body(rt.config.server.max_body_bytes), request.headers.get("content-type"))
-        parsed = rt.parse_completions(body)
+        parsed = await bodies.read(rt.config.server.max_body_bytes, then=rt.parse_completions)
         streams: list[ChatStream] = []
         try:
             for one in parsed:
                 streams.append(rt.chat(request=one, client_request_id=g.client_request_id,
                                        request_id=None if streams else g.request_id))
-            g.request_id = streams[0].request_id
+            g.request_id, g.client_request_id = streams[0].request_id, streams[0].client_request_id
             if not parsed[0].stream:
                 done = [await complete(s) for s in streams]  # they run at once; read in order
                 n = parsed[0].sampling.n
@@ -187,6 +215,7 @@ def create_app(rt: Runtime) -> QuartTrio:
         response.timeout = None
         return response
 
+    register_loads_route(app, rt)  # GET /v1/loads: this replica's load for a router (SMG)
     return app
 
 
@@ -211,87 +240,40 @@ def _require_admin(admin_key: bytes) -> None:
         raise Unauthorized("this endpoint needs the admin key: 'Authorization: Bearer <admin key>'")
 
 
-async def _drain(limit: int) -> None:
-    try:
-        await _read_body(limit)
-    except PayloadTooLarge:
-        pass
-
-
-async def _read_body(limit: int) -> bytes:
-    """The request body, at most `limit` bytes. A larger body is drained (up to a bound, so the
-    client can read our 413 instead of blocking on a full socket) and refused.
-
-    Every body is read whole before it is judged (its Content-Type, its JSON), so an error answer
-    never leaves unread bytes that would garble the next request on a kept-alive connection."""
-    drain_cap = 4 * limit + (1 << 20)
-    declared = request.content_length
-    too_large = PayloadTooLarge(f"the request body is larger than this server's limit of {limit} bytes")
-    if declared is not None and declared > drain_cap:
-        raise too_large
-    chunks, total = [], 0
-    async for chunk in request.body:
-        total += len(chunk)
-        if total <= limit:
-            chunks.append(chunk)
-        elif total > drain_cap:
-            break
-    if total > limit:
-        raise too_large
-    return b"".join(chunks)
-
-
-def check_json_content_type(content_type: str | None) -> None:
-    """Refuses (415) a body that does not say it is JSON, in UTF-8.
-
-    A body sent as text/plain or form data is a client bug (or a cross-site form post, which a
-    browser may send without a CORS preflight); guessing that it is JSON would hide the bug. A
-    `charset` other than UTF-8 would be decoded wrongly, so it is refused too."""
-    media_type, *params = (content_type or "").split(";")
-    if not _JSON_MEDIA_TYPE.fullmatch(media_type.strip()):
-        got = f"Content-Type {clip(content_type)}" if content_type else "no Content-Type"
-        raise UnsupportedMediaType(f"the request body must be JSON sent as 'Content-Type: application/json'; "
-                                   f"got {got}")
-    for param in params:
-        name, _, value = param.partition("=")
-        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in _UTF8_CHARSETS:
-            raise UnsupportedMediaType(f"the request body must be UTF-8 JSON; got charset {clip(value.strip())}")
-
-
-def _json(raw: bytes, content_type: str | None):
-    """The parsed JSON body, or a 4xx naming what is wrong with it (never a 500: the json module
-    raises RecursionError for deep nesting and ValueError for integers past 4300 digits)."""
-    check_json_content_type(content_type)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("the request body is not valid UTF-8") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise BadRequest("the request body nests arrays and objects too deeply to parse") from None
-    except ValueError as e:  # int too long to convert: "Exceeds the limit (4300 digits) ..."
-        raise BadRequest(f"the request body has a number that cannot be parsed: {e}") from None
-
-
 async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
     created = int(time.time())
     want_logprobs = stream.handle.request.sampling.logprobs
+    ids = stream.handle.request.options.tokens_as_ids
+    continuous = stream.handle.request.options.continuous_usage
 
     def event(delta: dict, finish_reason: str | None = None, index: int = 0, tokens=None) -> str:
-        return openai_json.sse(openai_json.chunk(stream.id, stream.model, created, delta, finish_reason,
-                                                 index, tokens if want_logprobs else None))
+        body = openai_json.chunk(stream.id, stream.model, created, delta, finish_reason, index,
+                                 tokens if want_logprobs else None, ids)
+        if continuous:  # vLLM's continuous_usage_stats: the usage so far on every chunk
+            body["usage"] = openai_json.running_usage(stream.usage_so_far)
+        return openai_json.sse(body)
 
+    tools = stream.handle.request.tools
+    # with tools, a choice's role chunk waits for its first text or call: an answer that is only
+    # calls then streams `content: null`, as OpenAI's does (and as the whole answer has it)
+    announced = set() if tools is not None and tools.parsed else set(range(stream.handle.choices))
     try:
         echo = stream.handle.request.echo  # vLLM's echo: the last message's text starts the answer
-        for index in range(stream.handle.choices):
-            yield event({"role": "assistant", "content": "", "refusal": None}, index=index)
-            if echo:
-                yield event({"content": echo}, index=index)
+
+        def role(index: int, content: str | None) -> list[str]:
+            out = [event({"role": "assistant", "content": content, "refusal": None}, index=index)]
+            return out + [event({"content": echo}, index=index)] if echo else out
+
+        for index in sorted(announced):
+            for chunk in role(index, ""):
+                yield chunk
         delta = first
         while True:
+            if delta.index not in announced and (delta.text or delta.logprobs or delta.tool_calls
+                                                 or delta.finish_reason):
+                announced.add(delta.index)
+                for chunk in role(delta.index, None if delta.tool_calls and not delta.text and not echo else ""):
+                    yield chunk
             if delta.text or delta.logprobs:
                 yield event({"content": delta.text}, index=delta.index, tokens=delta.logprobs)
             for piece in delta.tool_calls:  # one chunk each, as OpenAI sends them
@@ -337,7 +319,10 @@ async def _text_sse(streams: list[ChatStream], first: Delta, include_usage: bool
                 if delta.text or delta.logprobs or delta.prompt_logprobs or delta.finish_reason is not None:
                     choice = openai_json.text_choice(request, k * n + delta.index, delta.text, delta.finish_reason,
                                                      lp, delta.prompt_logprobs)
-                    yield openai_json.sse(openai_json.text_chunk(head.id, head.model, created, choice))
+                    body = openai_json.text_chunk(head.id, head.model, created, choice)
+                    if request.options.continuous_usage:  # vLLM's: this prompt's usage so far
+                        body["usage"] = openai_json.running_usage(stream.usage_so_far)
+                    yield openai_json.sse(body)
                 offsets[delta.index] += len(delta.text)
                 if stream.done:
                     break

@@ -22,14 +22,14 @@ def usage(u: Usage) -> dict:
     }
 
 
-def completion(c: ChatCompletion) -> dict:
+def completion(c: ChatCompletion, ids: bool = False) -> dict:
     return {
         "id": c.id,
         "object": "chat.completion",
         "created": c.created,
         "model": c.model,
         "choices": [{"index": ch.index, "message": message(ch),
-                     "finish_reason": ch.finish_reason, "logprobs": logprobs(ch.logprobs)}
+                     "finish_reason": ch.finish_reason, "logprobs": logprobs(ch.logprobs, ids)}
                     for ch in c.choices],
         "usage": usage(c.usage),
     }
@@ -52,11 +52,24 @@ def tool_call_delta(d: ToolCallDelta) -> dict:
     return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
 
 
-def logprobs(tokens: tuple[TokenLogprob, ...] | None) -> dict | None:
-    """OpenAI's `logprobs` object of a choice (or of a chunk's tokens); None when not asked for."""
+def logprobs(tokens: tuple[TokenLogprob, ...] | None, ids: bool = False) -> dict | None:
+    """OpenAI's `logprobs` object of a choice (or of a chunk's tokens); None when not asked for.
+    With `ids` (vLLM's return_tokens_as_token_ids) each token reads "token_id:N"."""
     if tokens is None:
         return None
+    if ids:
+        tokens = tuple(_as_id(t) for t in tokens)
     return {"content": [_token(t, top=True) for t in tokens], "refusal": None}
+
+
+def id_text(token_id: int) -> str:
+    """vLLM's name of a token under `return_tokens_as_token_ids`."""
+    return f"token_id:{token_id}"
+
+
+def _as_id(t: TokenLogprob) -> TokenLogprob:
+    text = id_text(t.token_id)
+    return TokenLogprob(text, t.logprob, tuple(text.encode()), tuple(_as_id(a) for a in t.top), t.token_id)
 
 
 def _token(t: TokenLogprob, top: bool = False) -> dict:
@@ -67,10 +80,16 @@ def _token(t: TokenLogprob, top: bool = False) -> dict:
 
 
 def chunk(id: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-          index: int = 0, tokens: tuple[TokenLogprob, ...] | None = None) -> dict:
+          index: int = 0, tokens: tuple[TokenLogprob, ...] | None = None, ids: bool = False) -> dict:
     return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
-                         "logprobs": logprobs(tokens)}]}
+                         "logprobs": logprobs(tokens, ids)}]}
+
+
+def running_usage(u: Usage) -> dict:
+    """vLLM's usage on a chunk under `continuous_usage_stats`: the counts so far."""
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens}
 
 
 def usage_chunk(id: str, model: str, created: int, u: Usage) -> dict:
@@ -87,28 +106,35 @@ def sse(body: dict) -> str:
 
 
 def legacy_logprobs(tokens: tuple[TokenLogprob, ...], offset: int = 0, prompt: tuple[PromptLogprob, ...] = (),
-                    top_n: int = 0) -> dict:
+                    top_n: int = 0, ids: bool = False) -> dict:
     """The legacy `logprobs` object: `tokens`, `token_logprobs`, `top_logprobs` (token → logprob,
     the chosen token among them; null for a token without a logprob, the first prompt token's)
     and `text_offset` (each token's character offset in the choice's text, from `offset`). With
-    echo the prompt's entries come first (`prompt`, `top_n` alternatives each)."""
+    echo the prompt's entries come first (`prompt`, `top_n` alternatives each). With `ids`
+    (vLLM's return_tokens_as_token_ids) tokens read "token_id:N"; offsets stay the text's."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    entries = [(p.token, p.logprob, [(text, lp) for _, text, lp in p.top[:top_n]]) for p in prompt]
-    entries += [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top]) for t in tokens]
-    for token, logprob, alternatives in entries:
+    entries = [(p.token, p.token_id, p.logprob, [(text, t, lp) for t, text, lp in p.top[:top_n]]) for p in prompt]
+    entries += [(t.token, t.token_id, t.logprob, [(a.token, a.token_id, a.logprob) for a in t.top]) for t in tokens]
+    for text_of_token, token_id, logprob, named in entries:
+        token = id_text(token_id) if ids else text_of_token
+        alternatives = [(id_text(t) if ids else text, lp) for text, t, lp in named]
         out["tokens"].append(token)
         out["token_logprobs"].append(logprob)
         top = None
         if logprob is not None:
-            top = dict(alternatives)
-            top.setdefault(token, logprob)
+            top = {}
+            for text, lp in alternatives:  # two tokens may read alike: the likelier one's logprob
+                top[text] = max(lp, top.get(text, lp))
+            top[token] = logprob  # the chosen token's own, whatever else reads like it
+            # most likely first, as OpenAI orders them: a client taking the first key gets the best token
+            top = dict(sorted(top.items(), key=lambda kv: -kv[1]))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
-        offset += len(token)
+        offset += len(text_of_token)
     return out
 
 
-def vllm_prompt_logprobs(prompt: tuple[PromptLogprob, ...], top_n: int) -> list:
+def vllm_prompt_logprobs(prompt: tuple[PromptLogprob, ...], top_n: int, ids: bool = False) -> list:
     """vLLM's `prompt_logprobs` of a choice: null for the first token, then {token id: {logprob,
     rank, decoded_token}} of the token and its `top_n` most likely alternatives."""
     out: list = []
@@ -116,9 +142,10 @@ def vllm_prompt_logprobs(prompt: tuple[PromptLogprob, ...], top_n: int) -> list:
         if p.logprob is None:
             out.append(None)
             continue
-        entry = {str(t): {"logprob": lp, "rank": r, "decoded_token": text}
+        entry = {str(t): {"logprob": lp, "rank": r, "decoded_token": id_text(t) if ids else text}
                  for r, (t, text, lp) in enumerate(p.top[:top_n], 1)}
-        entry.setdefault(str(p.token_id), {"logprob": p.logprob, "rank": p.rank, "decoded_token": p.token})
+        entry.setdefault(str(p.token_id), {"logprob": p.logprob, "rank": p.rank,
+                                           "decoded_token": id_text(p.token_id) if ids else p.token})
         out.append(entry)
     return out
 
@@ -129,7 +156,7 @@ def choice_logprobs(request: ChatRequest, logprobs: tuple[TokenLogprob, ...] | N
     if not request.sampling.logprobs:
         return None
     echoed = (prompt or ()) if request.prompt.echo else ()
-    return legacy_logprobs(logprobs or (), offset, echoed, request.sampling.top_logprobs)
+    return legacy_logprobs(logprobs or (), offset, echoed, request.sampling.top_logprobs, request.options.tokens_as_ids)
 
 
 def text_completion(id: str, model: str, created: int, request: ChatRequest, choices: list[tuple[int, Choice]],
@@ -146,7 +173,8 @@ def text_choice(request: ChatRequest, index: int, text: str, finish_reason: str 
                 prompt: tuple[PromptLogprob, ...] | None = None) -> dict:
     body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if request.prompt.prompt_logprobs is not None and prompt:
-        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt, request.prompt.prompt_logprobs)
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt, request.prompt.prompt_logprobs,
+                                                       request.options.tokens_as_ids)
     return body
 
 

@@ -118,6 +118,9 @@ class PagedMetadata:
     # its own position inside a bidirectional span (`key_ends`); None: every token is causal
     spans: tuple[tuple[tuple[int, int], ...], ...] = ()  # host: per sequence, its bidirectional
     # spans [lo, hi) that hold new tokens (empty: none)
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None  # int32 [P] each: the prefill
+    # programs' (sequence, tile) — a static step's, built for `AttentionBackend.tile_tokens`; None:
+    # the backend's own grid over every prefill sequence
 
     @property
     def num_seqs(self) -> int:
@@ -215,6 +218,11 @@ class AttentionBackend(ABC):
     CUDA graph."""
     """The `FEATURES` this backend implements ("mrope_positions" always: positions are applied
     before attention)."""
+
+    def tile_tokens(self, heads: int, kv_heads: int) -> int | None:
+        """Query tokens per program of this backend's chunk attention, for a static step's tile map
+        (`PagedMetadata.tile_map`); None: the backend takes no map."""
+        return None
 
     def check(self, features: ModelFeatures) -> None:
         """Refuses (`UnsupportedAttentionFeature`, naming each missing feature) a model that needs

@@ -138,7 +138,7 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, cu_q_ptr, q_ends_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, cu_q_ptr, q_ends_ptr, tile_seq_ptr, tile_idx_ptr,
     first_seq, scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -146,10 +146,14 @@ def _prefill_kernel(
     stride_tb,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_ENDS: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HAS_ENDS: tl.constexpr, TILE_MAP: tl.constexpr,
 ):
-    seq = first_seq + tl.program_id(0)
-    tile = tl.program_id(1)
+    if TILE_MAP:  # program i does the map's tile i (a static step's grid: its real tiles plus slack)
+        seq = tl.load(tile_seq_ptr + tl.program_id(0))
+        tile = tl.load(tile_idx_ptr + tl.program_id(0))
+    else:
+        seq = first_seq + tl.program_id(0)
+        tile = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -303,17 +307,28 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return out
 
 
+def prefill_tile_tokens(group: int, block_m: int | None = None) -> int:
+    """Query tokens per program of the prefill kernel (a tile's rows are its tokens times the GQA
+    group): what a tile map (`paged_prefill`'s `tile_map`) is built for."""
+    return max(block_m or 64, _pow2(group, MIN_DOT)) // group
+
+
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   max_query_len: int, scale: float, out: torch.Tensor | None = None, first_seq: int = 0,
                   num_seqs: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                  q_ends: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                  q_ends: torch.Tensor | None = None, window: int | None = None,
+                  tile_map: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Chunks of new tokens against their tables: query [T, heads, d] packed (sequence i's rows are
     [cu_seqlens_q[i], cu_seqlens_q[i+1])), seq_lens [S] int32 (cached + new tokens), block_tables
     [S, max_blocks] int32 -> out [T, heads, d] (only the rows of sequences first_seq ..
     first_seq + num_seqs - 1 are written). `max_query_len` bounds every chunk's length (a host
     integer: the plan's, or a static cap). `q_ends` [T] int32: each token's keys end there
-    (bidirectional spans; default: its position + 1); `window`: the layer's sliding window."""
+    (bidirectional spans; default: its position + 1); `window`: the layer's sliding window.
+    `tile_map` (sequence [P], tile [P], int32; built for `prefill_tile_tokens(group, block_m)`
+    tokens a tile): the grid is P programs per KV head, program i doing tile i of its sequence (an
+    index past the sequence's chunk: nothing) — a static step's launch sized by its bucket's tiles
+    (at most T / tile + sequences), not by sequences x the longest chunk's tiles."""
     heads, kv_heads, group = _check(query, key_cache, value_cache)
     _check_int32(block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q)
     if q_ends is not None:
@@ -329,16 +344,23 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     block_m = max(block_m, _pow2(group, MIN_DOT))
     block_q = block_m // group
     block_n = block_n or _block_n(query, head_dim)
-    grid = (num_seqs, -(-max_query_len // block_q), kv_heads)
+    if tile_map is not None:
+        _check_int32(tile_seqs=tile_map[0], tile_ids=tile_map[1])
+        grid = (tile_map[0].shape[0], 1, kv_heads)
+    else:
+        grid = (num_seqs, -(-max_query_len // block_q), kv_heads)
+    tile_seqs, tile_ids = tile_map if tile_map is not None else (cu_seqlens_q, cu_seqlens_q)
     _prefill_kernel[grid](
         query, key_cache, value_cache, out, block_tables, seq_lens, cu_seqlens_q,
-        q_ends if q_ends is not None else cu_seqlens_q, first_seq, scale * LOG2E, int(window or 0),
+        q_ends if q_ends is not None else cu_seqlens_q, tile_seqs, tile_ids, first_seq, scale * LOG2E,
+        int(window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=_pow2(head_dim, MIN_DOT),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_ENDS=q_ends is not None, **_dot_args(query.dtype))
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_ENDS=q_ends is not None, TILE_MAP=tile_map is not None,
+        **_dot_args(query.dtype))
     return out
 
 
@@ -350,6 +372,9 @@ class TritonBackend(AttentionBackend):
     supports = frozenset({"gqa", "mrope_positions", "sliding_window", "bidirectional_spans"})
     capturable = True
 
+    def tile_tokens(self, heads: int, kv_heads: int) -> int | None:
+        return prefill_tile_tokens(heads // kv_heads)
+
     def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -360,5 +385,6 @@ class TritonBackend(AttentionBackend):
                          out=out[:nd], window=window)
         if meta.num_seqs > nd:
             paged_prefill(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                          meta.max_query_len, scale, out=out, first_seq=nd, q_ends=meta.q_ends, window=window)
+                          meta.max_query_len, scale, out=out, first_seq=nd, q_ends=meta.q_ends, window=window,
+                          tile_map=meta.tile_map)
         return out

@@ -31,6 +31,15 @@ class BenchParams:
     health_interval_s: float = 0.02
     host_share_steps: int = 32  # the window (steps, all requests decoding) of the top level's host share
     kv_sample_interval_s: float = 0.005  # KV arena usage of the embedded run at the top level (also sampled per delta)
+    # what requests leave behind (`bench.retention`): RSS growth per 1,000 requests once both caches are full
+    retention_requests: int = 1000  # measured, after the fill
+    retention_samples: int = 10  # RSS readings over them (the growth is their least-squares slope)
+    retention_settle: int = 200  # requests after the fill before the first reading (see `bench.retention`)
+    retention_concurrency: int = 8
+    retention_tokens: int = 4  # answer tokens: short, the requests are many
+    retention_encoder_entries: int = 32  # the encoder cache's cap in this run: full after as many fresh images
+    retention_kv_budget_bytes: int = 0  # this run's KV arena; 0: the run's own
+    retention_fill_max: int = 400  # requests at most to fill the caches (the row says whether they were full)
     # 3. multi-turn image chat
     turns: int = 6
     turn_tokens: int = 24
@@ -71,13 +80,14 @@ FULL = BenchParams("full")
 QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=3, levels=(1, 4, 8, 16), sweep_tokens=64,
                 turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2,
                 peer_levels=(1, 8), host_share_steps=16, engine_tokens=48, copy_mib=64, prefill_tokens=(16, 64, 256),
-                prefill_repeats=3)
+                prefill_repeats=3, retention_requests=200)
 GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat16", torch_threads=4,
               scenarios=("decode", "concurrency", "multiturn", "same_image", "three_images", "absolute",
                          "engine_overhead"),
               decode_tokens=128, levels=(1, 8, 32), batched_levels=(8, 32), sweep_tokens=128,
               kv_budget_mib=16384, turns=4, turn_tokens=32, conversations=4, image_repeats=3, copy_mib=2048,
-              engine_prompt_tokens=600)
+              engine_prompt_tokens=600, retention_requests=200, retention_settle=50,
+              retention_fill_max=100, retention_kv_budget_bytes=256 * 1024 * 1024)
 """The GPU issue's figures: single-stream decode, 8 and 32 concurrent against HF's batched
 `generate` of the same requests, TTFT at 32, prefix hits, the absolute figures (tok/s against the
 measured bandwidth limit, prefill time per token count) and the host's overhead with a stand-in
@@ -86,6 +96,8 @@ one image (~600 tokens, 0.5 MiB a token in bfloat16)."""
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
                levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4,
                host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8,
-               prefill_tokens=(8, 16), prefill_repeats=1)
+               prefill_tokens=(8, 16), prefill_repeats=1, retention_requests=16, retention_samples=4,
+               retention_settle=4, retention_concurrency=2, retention_encoder_entries=4,
+               retention_kv_budget_bytes=64 * 1024, retention_fill_max=64)
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}

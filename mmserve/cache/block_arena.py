@@ -28,58 +28,20 @@ the indices of blocks an owner holds); eviction is least recently *released* fir
 from its tail, and a hit takes a block out of the LRU order (F5); `can_allocate(n)` is true
 exactly when `allocate(owner, n)` would succeed; `claim` takes one named free block as `allocate`
 would, and `move` hands blocks from one table to another without touching a refcount (a
-reservation's blocks drawn by a request).
+reservation's blocks drawn by a request); `hold` references named blocks whatever their state, so
+that none of them is allocated while its owner holds them (an abandoned step's quarantine).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Hashable, Iterable, NamedTuple, Sequence
+from typing import Hashable, Iterable, Sequence
 
+from mmserve.cache.arena_types import (  # noqa: F401  (re-exported: the arena's own values)
+    EVICTABLE, FREE, REFERENCED, ArenaBlockInfo, ArenaFull, ArenaStats)
 from mmserve.cache.free_blocks import FreeBlocks
 from mmserve.cache import arena_invariants
 from mmserve.cache.keys import key_prefix
-
-FREE = "free"
-EVICTABLE = "evictable"
-REFERENCED = "referenced"
-
-
-class ArenaFull(ValueError):
-    """`allocate` cannot give all the blocks asked for; nothing was changed."""
-
-    def __init__(self, wanted: int, available: int):
-        super().__init__(f"cannot allocate {wanted} blocks: only {available} free or evictable")
-        self.wanted = wanted
-        self.available = available
-
-
-@dataclass(frozen=True)
-class ArenaStats:
-    num_blocks: int
-    free_blocks: int  # no hash, no reference
-    evictable_blocks: int  # hash, no reference
-    referenced_blocks: int  # in at least one block table
-    cached_blocks: int  # blocks with a hash (entries), referenced or evictable
-    owners: int  # owners with a non-empty block table
-    queries_blocks: int  # blocks asked for by `lookup`
-    hit_blocks: int  # blocks `lookup` answered from the cache
-    allocated_blocks: int  # blocks handed out by `allocate`
-    evictions: int  # entries erased because `allocate` reused their block
-    commits: int  # entries registered by `commit`
-    duplicate_commits: int  # commits refused because the hash was cached in another block
-    cleared_entries: int  # entries dropped by `clear`
-
-
-class ArenaBlockInfo(NamedTuple):
-    """One row of `snapshot()`; lru_rank 0 is the next eviction candidate, None unless evictable."""
-
-    block: int
-    state: str  # FREE, EVICTABLE or REFERENCED
-    refcount: int
-    hash_prefix: str | None
-    lru_rank: int | None
 
 
 class BlockArena:
@@ -206,6 +168,26 @@ class BlockArena:
         self._referenced += 1
         self._allocated_blocks += 1
         return True
+
+    def hold(self, owner: Hashable, blocks: Iterable[int]) -> list[int]:
+        """Each of `blocks` (duplicates once) gets one reference more, under `owner`, whatever its
+        state: a free one is taken as `claim` takes it, an evictable one leaves the LRU order (its
+        entry stays: hits may still share it), a referenced one is shared. So none of them can be
+        allocated until `owner` is freed — the blocks an abandoned step may still write (a
+        quarantine). `owner` must hold nothing (ValueError, changing nothing); returns its table."""
+        hash(owner)
+        wanted = list(dict.fromkeys(blocks))
+        for block in wanted:
+            self._check_block(block)
+        if owner in self._tables:
+            raise ValueError(f"owner {owner!r} holds blocks: a hold starts an empty table")
+        for block in wanted:
+            if block in self._free:
+                self._free.take(block)
+            self._ref(block)
+        if wanted:
+            self._tables[owner] = wanted
+        return list(wanted)
 
     def move(self, src: Hashable, dst: Hashable, blocks: Sequence[int]) -> None:
         """`blocks`, each in `src`'s table, leave it and are appended to `dst`'s table in this order

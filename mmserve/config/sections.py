@@ -12,9 +12,10 @@ from typing import Any
 
 from mmserve.config.checks import (
     ATTENTION_BACKENDS, BUILTIN_PREFIX, DEMO_CHECKPOINTS, DEVICE, DTYPES, HASH_ALGORITHMS, IMAGE_FORMATS, LOG_FORMATS,
-    LOG_LEVELS, MIN_SHARED_SECRET_BYTES, SHARED_CACHE_TRUST, TOOL_PARSERS, check_bool, check_choice, check_int,
+    LOG_LEVELS, TOOL_PARSERS, check_bool, check_choice, check_int,
     check_number, check_str, check_strings, fail)
 from mmserve.config.hosts import normalize_host_pattern
+from mmserve.config.shared_cache import SharedCacheConfig  # noqa: F401 (a section, kept with its secret's rules)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class ServerConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, requests in flight get this long to finish
     keep_alive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
+    body_timeout_s: float = 30.0  # a request's whole body must arrive within this of its headers (else 408)
+    max_bodies_in_flight: int = 256  # requests whose body is being received or parsed; more get 503
+    max_body_bytes_in_flight: int = 256 * 1024 * 1024  # bytes of those bodies together; beyond, 503
 
     def __post_init__(self) -> None:
         w = "[server]"
@@ -61,6 +65,11 @@ class ServerConfig:
         check_int(w, "max_body_bytes", self.max_body_bytes, 1)
         check_number(w, "shutdown_grace_s", self.shutdown_grace_s, 0)
         check_number(w, "keep_alive_timeout_s", self.keep_alive_timeout_s, 0, lo_open=True)
+        check_number(w, "body_timeout_s", self.body_timeout_s, 0, lo_open=True)
+        check_int(w, "max_bodies_in_flight", self.max_bodies_in_flight, 1)
+        # one body of the largest accepted size must fit, or such a request could never be served
+        check_int(w, "max_body_bytes_in_flight", self.max_body_bytes_in_flight, self.max_body_bytes,
+                  bound=f"of at least max_body_bytes ({self.max_body_bytes})")
 
 
 @dataclass(frozen=True)
@@ -71,13 +80,19 @@ class RuntimeConfig:
     max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
     load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
     attention_backend: str = "auto"  # auto | sdpa | triton (auto: triton on CUDA, sdpa on the CPU)
-    cuda_graphs: bool = True  # on CUDA with a capturable backend, decode steps replay captured graphs
+    cuda_graphs: bool = True  # on CUDA with a capturable backend, every step that fits a bucket replays a graph
+    graph_token_buckets: tuple[int, ...] = ()  # token counts of the mixed-step buckets; (): 16, 32, ... max_batched_tokens
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
 
     def __post_init__(self) -> None:
         w = "[runtime]"
         check_choice(w, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_bool(w, "cuda_graphs", self.cuda_graphs)
+        buckets = self.graph_token_buckets
+        if not isinstance(buckets, (list, tuple)) or any(
+                not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
+            fail(w, "graph_token_buckets", "a list of positive integers (empty: the default buckets)", buckets)
+        object.__setattr__(self, "graph_token_buckets", tuple(sorted(set(buckets))))
         check_bool(w, "gc_freeze", self.gc_freeze)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
@@ -229,90 +244,6 @@ def kv_cache_from_prefix_cache(values: dict, current: "KVCacheConfig", where: st
                   + ", ".join(f"{DEPRECATED_PREFIX_CACHE_KEYS[k]} (was {k})" for k in values), DeprecationWarning,
                   stacklevel=3)
     return renamed
-
-
-@dataclass(frozen=True)
-class SharedCacheConfig:
-    """The shared cache tier (Redis) under both caches of every model; off while `url` is ""."""
-
-    url: str = field(default="", repr=False)  # redis://[:password@]host:port/db, rediss:// (TLS); "": off
-    lookup_deadline_ms: float = 50.0  # a look-up answered later than this is a miss
-    ttl_s: int = 3600  # entries expire this long after they were written or last read
-    write_queue: int = 256  # values waiting to be written; beyond this new ones are dropped (counted)
-    write_batch: int = 32  # values written in one pipelined round trip
-    backoff_s: float = 1.0  # after an error the tier is off this long, doubling up to max_backoff_s
-    max_backoff_s: float = 30.0
-    socket_timeout_s: float = 1.0  # the client's connect and socket timeout (bounds a write round trip)
-    # a response ends once the KV blocks it committed are in Redis (so the next turn finds them on
-    # any replica), waiting at most this long for them; 0: it ends at once (writes in the background)
-    finish_flush_ms: float = 500.0
-    # Every value carries an HMAC-SHA256 tag under a secret the replicas share (at least 16 bytes),
-    # given here, in a file, or in an environment variable — at most one of the three. Without
-    # one the tier refuses to start unless trust = "network" (see secret_bytes)
-    secret: str = field(default="", repr=False)
-    secret_file: str = ""  # a file holding the secret (surrounding whitespace ignored)
-    secret_env: str = ""  # the name of an environment variable holding the secret
-    trust: str = "secret"  # "secret": values must verify under the secret; "network": every writer of this Redis is trusted
-
-    def __post_init__(self) -> None:
-        w = "[shared_cache]"
-        check_str(w, "url", self.url, empty=True)
-        if not isinstance(self.secret, str):  # the value is never echoed: it may be the secret
-            raise ValueError(f"config {w} secret: must be a string, got a {type(self.secret).__name__}")
-        check_str(w, "secret_file", self.secret_file, empty=True)
-        check_str(w, "secret_env", self.secret_env, empty=True)
-        check_choice(w, "trust", self.trust, SHARED_CACHE_TRUST)
-        given = [k for k in ("secret", "secret_file", "secret_env") if getattr(self, k)]
-        if len(given) > 1:
-            raise ValueError(f"config {w}: set at most one of secret, secret_file and secret_env, got {given}")
-        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            fail(w, "url", "a redis://, rediss:// or unix:// URL (or \"\" for off)", self.url.split("@")[-1])
-        check_number(w, "lookup_deadline_ms", self.lookup_deadline_ms, 0, lo_open=True)
-        check_int(w, "ttl_s", self.ttl_s, 1)
-        check_int(w, "write_queue", self.write_queue, 1)
-        check_int(w, "write_batch", self.write_batch, 1)
-        check_number(w, "backoff_s", self.backoff_s, 0, lo_open=True)
-        check_number(w, "max_backoff_s", self.max_backoff_s, self.backoff_s, bound=f">= backoff_s ({self.backoff_s})")
-        check_number(w, "socket_timeout_s", self.socket_timeout_s, 0, lo_open=True)
-        check_number(w, "finish_flush_ms", self.finish_flush_ms, 0)
-        if self.enabled:
-            if not given and self.trust != "network":
-                raise ValueError(
-                    f"config {w}: url is set but no secret: set secret (or secret_file, or secret_env) to a key "
-                    f"of at least {MIN_SHARED_SECRET_BYTES} bytes that every replica shares, so a value written to "
-                    f"Redis by anyone else is refused; or set trust = \"network\" if every client that can "
-                    f"write to this Redis is trusted (docs/shared-cache.md)")
-            self.secret_bytes()  # read now: a missing file or variable is a config error at start
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.url)
-
-    def secret_bytes(self) -> bytes | None:
-        """The shared secret (from `secret`, `secret_file` or `secret_env`), or None when none is
-        set (trust = "network"). ValueError when it cannot be read or is too short."""
-        import os
-
-        w = "[shared_cache]"
-        if self.secret:
-            raw, where = self.secret.encode(), "secret"
-        elif self.secret_file:
-            try:
-                raw = Path(self.secret_file).expanduser().read_bytes().strip()
-            except OSError as e:
-                raise ValueError(f"config {w} secret_file: cannot read {self.secret_file!r}: {e.strerror}") from None
-            where = f"secret_file {self.secret_file!r}"
-        elif self.secret_env:
-            value = os.environ.get(self.secret_env)
-            if value is None:
-                raise ValueError(f"config {w} secret_env: the environment variable {self.secret_env!r} is not set")
-            raw, where = value.strip().encode(), f"secret_env {self.secret_env!r}"
-        else:
-            return None
-        if len(raw) < MIN_SHARED_SECRET_BYTES:
-            raise ValueError(f"config {w} {where}: the secret must be at least {MIN_SHARED_SECRET_BYTES} bytes "
-                             f"(e.g. `openssl rand -hex 32`), got {len(raw)}")
-        return raw
 
 
 @dataclass(frozen=True)

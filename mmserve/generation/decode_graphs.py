@@ -13,7 +13,9 @@ capturable: no host synchronisation, no input outside these buffers, the model a
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import gc
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -51,9 +53,13 @@ class DecodeBuffers:
         self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # host staging (pinned on CUDA): the copies in are asynchronous, and the step's one
-        # transfer back (its sampled tokens) orders them before the next fill rewrites these
+        # host staging (pinned on CUDA): the copies in are asynchronous. A step's transfer back
+        # (its sampled tokens) would order them before the next fill rewrites these — but a step
+        # that samples nothing (a prefill chunk before its prompt's end) transfers nothing, so the
+        # copies record an event, and the next fill or clear waits for it (nothing on the CPU)
         pin = device.type == "cuda"
+        self._copied = torch.cuda.Event() if pin else None
+        self._pending = False
         self._host_ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
         self._host_positions = torch.zeros(rope_rows, max_batch, dtype=torch.long, pin_memory=pin)
         self._host_slots = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
@@ -74,6 +80,7 @@ class DecodeBuffers:
         widest = max(len(t) for t in tables)
         if widest > self.max_blocks:
             raise ValueError(f"a block table of {widest} blocks exceeds the static width {self.max_blocks}")
+        self._wait_copies()
         host_ids, host_pos = self._host_ids.numpy(), self._host_positions.numpy()
         host_slots, host_tables, host_lens = (self._host_slots.numpy(), self._host_tables.numpy(),
                                               self._host_seq_lens.numpy())
@@ -93,6 +100,7 @@ class DecodeBuffers:
 
     def clear(self, bucket: int) -> None:
         """Rows [0, bucket) become padding (what a capture at load runs on)."""
+        self._wait_copies()
         self._host_ids[:bucket] = 0
         self._host_positions[:, :bucket] = 0
         self._host_slots[:bucket] = self.scratch_slot
@@ -105,6 +113,15 @@ class DecodeBuffers:
                           (self.tables, self._host_tables), (self.seq_lens, self._host_seq_lens)):
             buf[:bucket].copy_(host[:bucket], non_blocking=True)  # rows
         self.positions[:, :bucket].copy_(self._host_positions[:, :bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
+
+    def _wait_copies(self) -> None:
+        """The last copies in have read the staging buffers: they may be rewritten."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
 
     def metadata(self, bucket: int) -> PagedMetadata:
         """The step's metadata as views of the buffers (host fields: only the bucket's shape)."""
@@ -123,12 +140,31 @@ class DecodeGraphs:
     listed in `failed` with the error: a model whose graphs cannot all be captured still serves.
     Should the device fail the eager step too, that error is raised."""
 
-    def __init__(self, body: Callable[[int], torch.Tensor], device: torch.device, capture: bool):
+    def __init__(self, body: Callable[[int], torch.Tensor], device: torch.device, capture: bool,
+                 share_pool_with: "DecodeGraphs | None" = None):
         self.body, self.device = body, device
         self.capture = capture and device.type == "cuda"
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.failed: dict[int, str] = {}
         self._pool = None
+        # another set of graphs of the same runner (never replayed at the same time): one memory pool
+        self._pool_owner = share_pool_with
+
+    @property
+    def pool(self):
+        """The memory pool every capture of this set (and of the set it shares with) records into."""
+        if self._pool_owner is not None:
+            return self._pool_owner.pool
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    @pool.setter
+    def pool(self, value) -> None:
+        if self._pool_owner is not None:
+            self._pool_owner.pool = value
+        else:
+            self._pool = value
 
     def run(self, bucket: int) -> torch.Tensor:
         if not self.capture or bucket in self.failed:
@@ -172,10 +208,33 @@ class DecodeGraphs:
                 self.body(bucket)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         # thread_local: another thread's CUDA work meanwhile (a shared-tier export reads blocks on the
         # event loop's thread) is not an error in this capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.body(bucket)
         return graph, out
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration (then as it was).
+
+    Why a capture needs it: a collection may run at any allocation of a Python object — the body
+    of a step makes thousands — and what it frees runs its destructors right there, on the
+    capturing thread. A dead `torch.cuda.CUDAGraph` (a runner that is garbage but held in a cycle:
+    `DecodeGraphs.body` is its runner's bound method) destroys its graph and executable
+    (`cudaGraphDestroy`, `cudaGraphExecDestroy`), which the driver forbids while the thread
+    captures: "operation not permitted when stream is capturing (function reset)", the capture
+    invalidated (`cudaErrorStreamCaptureInvalidated`) and "operation failed due to a previous error
+    during capture". torch's `torch.cuda.graph` used to `gc.collect()` before each capture; since
+    torch 2.9 it does so only under `torch.compiler.config.force_cudagraph_gc`. Whether it struck
+    depended on when a collection fell due — Qwen2-VL's forward makes more Python objects than
+    LLaVA's, so a collection fell inside one of its captures (always the same one of a sequence:
+    the count is deterministic) and never inside LLaVA's."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -85,6 +85,14 @@ def regex_grammar(pattern: Any, param: str) -> str:
     return _checked(lambda m: m.grammar_from_regex(pattern), len(pattern), "regular expression", param)
 
 
+def lark_grammar(text: Any, param: str) -> str:
+    """A Lark grammar as llguidance reads it (vLLM's `guided_grammar`); a bad one is a 400 naming
+    `param` and what the compiler says of it."""
+    if not isinstance(text, str) or not text.strip():
+        raise BadRequest(f"'{param}' must be a non-empty Lark grammar (a string)", param=param)
+    return _checked(lambda m: m.grammar_from_lark(text), len(text), "Lark grammar", param)
+
+
 def choice_grammar(choices: Any, param: str) -> str:
     """The grammar whose only sentences are `choices` (vLLM's `guided_choice`)."""
     if (not isinstance(choices, list) or not choices or len(choices) > 1024

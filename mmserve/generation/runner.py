@@ -9,13 +9,19 @@ it a step (`StepInputs`: every sequence's new tokens, their segments of the aren
 M-RoPE positions) and gets back float logits on the device, which it samples right after, with
 one transfer to the host (`generation.step_sampling`).
 
-A step takes one of two paths:
+A step takes one of three paths:
 - **static decode** — every sequence has one new token and no image row, and the backend is
-  capturable: the buffers are filled (host → device copies only) and the bucket's body runs, or
-  its graph replays. Nothing in it synchronises with the host.
-- **eager** — everything else (prefill chunks, image rows, a prompt's own logprobs), and every
-  step with the `sdpa` backend (the CPU's path: per-sequence SDPA reading consecutive blocks in
-  place, `models.paged.PagedBatch`).
+  capturable: the buffers are filled (host → device copies only) and the batch bucket's body runs,
+  or its graph replays. Nothing in it synchronises with the host.
+- **static mixed** — any other step (prefill chunks, image rows, decode tokens beside them) that
+  fits the largest token bucket (`mixed_step`): the family's `step_inputs` computes the input
+  embeddings into the static embeddings buffer, the metadata is copied in, and the token
+  bucket's body runs, or its graph replays.
+- **eager** — a step too large for the static buffers (more tokens than the largest token
+  bucket, more sequences than `max_batch`, a table wider than the static width), one that wants a
+  prompt's own logprobs (`extra_rows`: a row count that follows the data), and every step with the
+  `sdpa` backend (the CPU's path: per-sequence SDPA reading consecutive blocks in place,
+  `models.paged.PagedBatch`). `eager_reasons` counts why (the `mmserve:eager_steps` metric).
 
 Families keep transformers' model classes: the runner calls the adapter's language model with
 the paged attention as its implementation (`models.paged_forward`), never a copy of it.
@@ -26,11 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from collections import Counter
+
 import numpy as np
 import torch
 
 from mmserve.attention import AttentionBackend, ModelFeatures, PagedMetadata, select
 from mmserve.generation.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
+from mmserve.generation.mixed_step import MixedBuffers, token_buckets
 from mmserve.models.paged import KVArena, PagedBatch, Segment
 from mmserve.models.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, \
     step_positions, use_paged_attention
@@ -57,16 +66,24 @@ class StepInputs:
         return not self.pieces and self.extra_rows is None and all(s.length == 1 for s in self.segments)
 
 
+DEEPSTACK_KWARGS = frozenset({"visual_pos_masks", "deepstack_visual_embeds"})
+"""The family inputs a static mixed step carries (Qwen3-VL's, as `MixedBuffers.deepstack`)."""
+
+
 class ModelRunner:
-    """See the module docstring. `max_batch`: the most sequences a decode step carries (the
-    generator's `max_running_requests`, n choices included, bounds it; larger steps run eagerly)."""
+    """See the module docstring. `max_batch`: the most sequences a step carries from the static
+    buffers (the generator's `max_running_requests`, n choices included, bounds it; larger steps
+    run eagerly). `max_tokens`: the largest token bucket of a mixed step (the generator's
+    `max_batched_tokens`); `token_buckets` replaces the default list (`mixed_step.token_buckets`)."""
 
     def __init__(self, adapter, kv_budget_bytes: int, block_size: int, backend: str | AttentionBackend = "auto",
-                 max_batch: int = 256, cuda_graphs: bool = True):
+                 max_batch: int = 256, cuda_graphs: bool = True, max_tokens: int = 2048,
+                 token_buckets: Sequence[int] | None = None):
         self.adapter = adapter
         self.device = adapter.device
         self.backend = select(backend, self.device) if isinstance(backend, str) else backend
-        self.backend.check(ModelFeatures.from_config(adapter.config))
+        features = ModelFeatures.from_config(adapter.config)
+        self.backend.check(features)
         static = self.backend.capturable
         self.kv = KVArena.for_model(adapter, kv_budget_bytes, block_size, spare_blocks=1 if static else 0)
         self.block_size = block_size
@@ -77,26 +94,54 @@ class ModelRunner:
         self.buffers: DecodeBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         self.buckets: tuple[int, ...] = ()
+        self.mixed: MixedBuffers | None = None
+        self.mixed_graphs: DecodeGraphs | None = None
+        self.token_buckets: tuple[int, ...] = ()
         if static:
+            max_blocks = -(-self.max_positions // block_size)
             self.buckets = buckets(max(1, max_batch))
-            self.buffers = DecodeBuffers(self.buckets[-1], -(-self.max_positions // block_size), self.rope_rows,
+            self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, self.rope_rows,
                                          block_size, self.kv.scratch_slot, self.device)
             self.graphs = DecodeGraphs(self._decode_body, self.device, cuda_graphs)
+            self.token_buckets = tuple(sorted(set(token_buckets))) if token_buckets else \
+                mixed_buckets_for(max_tokens)
+            if min(self.token_buckets) < 1:
+                raise ValueError(f"token buckets must be positive, not {self.token_buckets}")
+            self.mixed = MixedBuffers(self.token_buckets[-1], self.buckets[-1], max_blocks, self.rope_rows,
+                                      int(adapter.text_config.hidden_size), adapter.dtype,
+                                      int(getattr(adapter, "deepstack_levels", 0) or 0), features.bidirectional_spans,
+                                      block_size, self.kv.scratch_slot, self.device,
+                                      tile_tokens=self.backend.tile_tokens(*attention_heads(adapter.text_config)))
+            # one memory pool for both sets: a runner replays one graph at a time
+            self.mixed_graphs = DecodeGraphs(self._mixed_body, self.device, cuda_graphs, share_pool_with=self.graphs)
         self.static_steps = 0  # decode steps that ran from the static buffers
+        self.mixed_steps = 0  # other steps that ran from the static buffers
         self.eager_steps = 0
+        self.eager_reasons: Counter[str] = Counter()  # why the eager steps were eager
 
     @property
     def captures(self) -> bool:
-        """Whether decode steps run as captured CUDA graphs (`capture` then has work to do)."""
+        """Whether static steps run as captured CUDA graphs (`capture` then has work to do)."""
         return self.graphs is not None and self.graphs.capture
 
     @torch.inference_mode()
     def capture(self) -> int:
-        """Captures the decode graph of every bucket now (CUDA with graphs on; else nothing), so
-        no request pays for a capture: the generator calls it on the compute thread as it starts."""
+        """Captures the graph of every token bucket (mixed steps) and batch bucket (decode steps)
+        now (CUDA with graphs on; else nothing), so no request pays for a capture: the registry
+        calls it on the compute thread as the model loads. Returns how many were captured."""
         if self.graphs is None:
             return 0
-        return self.graphs.capture_all(self.buckets, self.buffers.clear)
+        # the mixed steps' largest buckets first: the smaller graphs reuse their pool's memory
+        return (self.mixed_graphs.capture_all(self.token_buckets, self.mixed.clear)
+                + self.graphs.capture_all(self.buckets, self.buffers.clear))
+
+    @property
+    def failed_captures(self) -> dict[str, dict[int, str]]:
+        """The buckets whose capture failed (they run their body eagerly), with the error:
+        {"decode": {batch bucket: error}, "mixed": {token bucket: error}}; empty without graphs."""
+        if self.graphs is None:
+            return {}
+        return {k: dict(g.failed) for k, g in (("decode", self.graphs), ("mixed", self.mixed_graphs)) if g.failed}
 
     # -- the arena -----------------------------------------------------------------------------
 
@@ -136,19 +181,31 @@ class ModelRunner:
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Float logits [len(segments) + len(extra_rows), vocab] on the device: each segment's last
         new token, then the `extra_rows`."""
-        if self.buffers is not None and step.decode_only and self._fits(step.segments):
+        if self.buffers is None:
+            return self._eager(step, "backend_not_capturable")
+        if step.decode_only and self._fits(step.segments):
             self.static_steps += 1
             return self._decode(step)
-        self.eager_steps += 1
-        return self._eager(step)
+        if step.extra_rows is not None:
+            return self._eager(step, "prompt_logprobs")
+        why = self.mixed.fits(step.segments, len(step.ids), step.spans)
+        if why is not None:
+            return self._eager(step, why)
+        embeds, lm_kwargs = self.adapter.step_inputs(step.ids, step.pieces)
+        if set(lm_kwargs) - DEEPSTACK_KWARGS:
+            return self._eager(step, "family_inputs", (embeds, lm_kwargs))
+        self.mixed_steps += 1
+        return self._mixed(step, embeds, lm_kwargs)
 
     def _fits(self, segments: Sequence[Segment]) -> bool:
         width = self.buffers.max_blocks * self.block_size
         return len(segments) <= self.buckets[-1] and all(s.end <= width for s in segments)
 
-    def _eager(self, step: StepInputs) -> torch.Tensor:
+    def _eager(self, step: StepInputs, reason: str, inputs: tuple[torch.Tensor, dict] | None = None) -> torch.Tensor:
+        self.eager_steps += 1
+        self.eager_reasons[reason] += 1
         adapter = self.adapter
-        embeds, lm_kwargs = adapter.step_inputs(step.ids, step.pieces)
+        embeds, lm_kwargs = inputs if inputs is not None else adapter.step_inputs(step.ids, step.pieces)
         spans = step.spans if step.spans and any(step.spans) else None
         if self.backend.name == "sdpa":
             attention = PagedBatch(self.kv, step.segments, spans)
@@ -173,6 +230,36 @@ class ModelRunner:
                           [s.start for s in step.segments], positions, bucket)
         return self.graphs.run(bucket)[:n]
 
+    def _mixed(self, step: StepInputs, embeds: torch.Tensor, lm_kwargs: dict) -> torch.Tensor:
+        n = len(step.ids)
+        if embeds.shape[:2] != (1, n):
+            raise ValueError(f"inputs_embeds {tuple(embeds.shape)} do not hold the step's {n} tokens")
+        bucket = bucket_of(n, self.token_buckets)
+        positions = None if step.positions is None else step.positions.cpu().numpy()
+        spans = step.spans if step.spans and any(step.spans) else None
+        self.mixed.fill(step.segments, embeds[0], positions, spans, bucket)
+        if lm_kwargs.get("deepstack_visual_embeds"):
+            self.mixed.fill_deepstack(step.pieces, lm_kwargs["deepstack_visual_embeds"])
+        return self.mixed_graphs.run(bucket)[:len(step.segments)]
+
+    def _mixed_body(self, bucket: int) -> torch.Tensor:
+        """The mixed step over the buffers' first `bucket` tokens -> logits [seqs(bucket), vocab]
+        (each sequence's last new token; padding sequences' rows are junk): reads the buffers, the
+        model's weights and the arena only (capturable)."""
+        buf, adapter = self.mixed, self.adapter
+        embeds = buf.embeds[:bucket].unsqueeze(0)
+        positions = buf.positions[:, :bucket]
+        if self.rope_rows > 1:
+            positions = positions.unsqueeze(1)  # [R, 1, bucket]
+        family = {}
+        if buf.deepstack is not None:  # dense levels, zero off the images (`Qwen3VLAdapter` adds them whole)
+            family = {"visual_pos_masks": None, "deepstack_visual_embeds": list(buf.deepstack[:, :bucket].unbind(0))}
+        step = BackendStep(self.kv, self.backend, buf.metadata(bucket))
+        out = adapter.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=STEP_MASK,
+                                      use_cache=False, **family, **{KWARG: step})
+        hidden = out.last_hidden_state[0].index_select(0, buf.rows[:buf.seqs(bucket)])
+        return adapter.model.lm_head(hidden).float()
+
     def _decode_body(self, bucket: int) -> torch.Tensor:
         """The decode step over the buffers' first `bucket` rows -> logits [bucket, vocab]: reads
         the buffers, the model's weights and the arena only (capturable)."""
@@ -185,3 +272,14 @@ class ModelRunner:
         out = adapter.language_model(inputs_embeds=embeds, position_ids=positions, attention_mask=STEP_MASK,
                                       use_cache=False, **{KWARG: step})
         return adapter.model.lm_head(out.last_hidden_state[0]).float()
+
+
+def mixed_buckets_for(max_tokens: int) -> tuple[int, ...]:
+    """The default token buckets of a runner whose steps carry at most `max_tokens` tokens."""
+    return token_buckets(max(1, max_tokens))
+
+
+def attention_heads(text_config) -> tuple[int, int]:
+    """(query heads, KV heads) of a transformers text config."""
+    heads = int(text_config.num_attention_heads)
+    return heads, int(getattr(text_config, "num_key_value_heads", None) or heads)

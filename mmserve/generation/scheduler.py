@@ -14,7 +14,11 @@ looked-up blocks pinned, but does not run.
 Every step carries one decode token of every admitted decoding sequence, then prefill chunks of
 admitted sequences — oldest first — then those of newly admitted ones, until
 `max_batched_tokens` are planned (as vLLM's scheduler does), so a long prompt never starves
-decoding and the sequences waiting longest go first. It plans the tokens and the KV blocks each
+decoding and the sequences waiting longest go first. Decode rows and prefills share that budget:
+a request is admitted only while the rows of the admitted requests (one per choice: n) and its
+own stay within `max_batched_tokens`, so decode rows never fill a step and an admitted sequence
+that prefills (again, after a preemption) always gets a chunk — it does not wait for decoders
+to end; and the first request always is (the generator refuses one whose n exceeds the budget). It plans the tokens and the KV blocks each
 sequence needs for them; the cache manager grants the blocks, and the generator preempts the
 newest sequence when a decode token finds no block. Pure: no torch, no trio; the generator
 applies the plan and marks every planned sequence admitted.
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Hashable, Protocol, Sequence
+
+from mmserve.errors import ExceedsCapacity
 
 
 class Schedulable(Protocol):
@@ -72,6 +78,10 @@ def plan_step(decoding: Sequence[Schedulable], prefilling: Sequence[Schedulable]
     decodes = len(plan)
     budget = max_batched_tokens - len(plan)
     running = {s.request_id for s in decoding} | {s.request_id for s in prefilling if s.admitted}
+    # decode rows share the budget: the admitted requests' rows (every choice decodes one token a
+    # step) stay within it, so a prefill chunk of an admitted sequence always finds room
+    rows = {s.request_id: _rows(s) for s in [*decoding, *prefilling] if s.request_id in running}
+    used = sum(rows.values())
     admitted = [s for s in prefilling if s.admitted or s.request_id in running]
     waiting = [s for s in prefilling if not (s.admitted or s.request_id in running)]
     for seq in sorted(admitted, key=lambda s: s.order):
@@ -82,12 +92,15 @@ def plan_step(decoding: Sequence[Schedulable], prefilling: Sequence[Schedulable]
             plan.append(_planned(seq, chunk, block_size, decode=False))
             budget -= chunk
     for seq in sorted(waiting, key=lambda s: s.order):
-        if budget <= 0 or (seq.request_id not in running and len(running) >= max_running):
+        if budget <= 0 or (seq.request_id not in running and (
+                len(running) >= max_running or (running and used + _rows(seq) > max_batched_tokens))):
             break  # head of line: nobody younger is admitted before it
         chunk = prefill_chunk(seq, budget, alone=len(plan) == decodes)
         if chunk == 0 and seq.target_len > seq.kv_len:
             break  # its next chunk is a whole image that waits for a step of its own
         if chunk > 0:
+            if seq.request_id not in running:
+                used += _rows(seq)
             running.add(seq.request_id)
             plan.append(_planned(seq, chunk, block_size, decode=False))
             budget -= chunk
@@ -121,9 +134,28 @@ def fit_chunk(seq: Schedulable, tokens: int) -> int:
     return max(0, end - start)
 
 
+def _rows(seq: Schedulable) -> int:
+    """The decode rows its request will take a step: one per choice."""
+    return getattr(seq, "rows", 1)
+
+
 def _planned(seq: Schedulable, tokens: int, block_size: int, decode: bool) -> Planned:
     need = max(0, blocks_for(seq.kv_len + tokens, block_size) - seq.table_len)
     return Planned(seq, tokens, need, decode)
+
+
+def never_fits(tokens: int, n: int, num_blocks: int, block_size: int, max_batched_tokens: int) -> ExceedsCapacity | None:
+    """Why a request of `tokens` tokens of KV (its prompt: an image span, never split, is part of
+    it) and `n` choices could never run here — refused at admission rather than left waiting —
+    or None: its KV and the next token's must fit the arena, and its n decode rows a step."""
+    if blocks_for(tokens + 1, block_size) > num_blocks:
+        return ExceedsCapacity(f"the prompt needs {tokens} tokens of KV; this server's KV cache holds "
+                               f"{num_blocks * block_size} (kv_cache.budget_bytes)", param="messages")
+    if n > max_batched_tokens:
+        return ExceedsCapacity(f"n = {n} choices need {n} rows in every step; this server's steps carry "
+                               f"{max_batched_tokens} tokens (generator.max_batched_tokens)", param="n",
+                               code="exceeds_step_budget")
+    return None
 
 
 def newest(candidates: Sequence[Schedulable]) -> Schedulable | None:

@@ -28,7 +28,7 @@ from mmserve.config.checks import TOOL_PARSERS
 from mmserve.errors import BadRequest, clip
 
 __all__ = ["TOOL_PARSERS", "Function", "HermesParser", "ToolCall", "ToolCallDelta", "call_grammar",
-           "check_parameters", "new_call_id", "tool_call_parser"]
+           "check_parameters", "new_call_id", "strict_auto_grammar", "tool_call_parser"]
 
 _JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON, as grammar.py's response_format
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -160,6 +160,30 @@ def call_grammar(functions: Sequence[Function], parallel: bool) -> str:
     lark = "\n".join(lines) + "\n"
     matcher = _llg().LLMatcher
     grammar = matcher.grammar_from_lark(lark)
+    failed, messages = matcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise _refusal(messages, "tools")
+    return grammar
+
+
+def strict_auto_grammar(functions: Sequence[Function], parallel: bool) -> str:
+    """The grammar of `tool_choice` "auto" when a tool is `strict`: the answer is either plain
+    text (which never opens a call) or only calls (as `call_grammar` makes them), the arguments of
+    a strict function following its schema and a non-strict one's any JSON object. A strict
+    function's call then always validates, as OpenAI's strict mode promises. (Text followed by
+    calls in one answer is not allowed here: the grammar's lexer cannot tell where such text ends.)"""
+    loose = [fn if fn.strict else Function(fn.name, {"type": "object"}) for fn in functions]
+    alternatives = " | ".join(f"fn{i}" for i in range(len(loose)))
+    more = ' ("\\n" OPEN args CLOSE)*' if parallel else ""
+    # the first call's opening (and the space a template may put before it) is one lexeme: the
+    # lexer runs it beside TEXT and keeps whichever survives the next byte
+    lines = ["%llguidance {}", f"start: TEXT | FIRST args CLOSE{more}",
+             f"TEXT: /(?s:.*)/ & ~/(?s:.*{OPEN}.*)/", f"FIRST: / ?{OPEN}\\n/",
+             f"OPEN: {json.dumps(OPEN + chr(10))}", f"CLOSE: {json.dumps(chr(10) + CLOSE)}",
+             f"args: {alternatives}"]
+    lines += [f"fn{i}: %json {json.dumps(_call_schema(fn))}" for i, fn in enumerate(loose)]
+    matcher = _llg().LLMatcher
+    grammar = matcher.grammar_from_lark("\n".join(lines) + "\n")
     failed, messages = matcher.validate_grammar_with_warnings(grammar)
     if failed:
         raise _refusal(messages, "tools")

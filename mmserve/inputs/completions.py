@@ -13,7 +13,8 @@ from typing import Any
 
 from mmserve.config import LimitsConfig
 from mmserve.errors import BadRequest, UnsupportedParameter, clip
-from mmserve.inputs.extensions import SAMPLING_FIELDS, STRUCTURED_FIELDS, TemplateOptions, flag
+from mmserve.inputs.extensions import (REQUEST_FIELDS, SAMPLING_FIELDS, STRUCTURED_FIELDS, TemplateOptions, flag,
+                                       request_options)
 from mmserve.inputs.request import (MAX_CHOICES, MAX_TOP_LOGPROBS, ChatRequest, RawPrompt, check_json_shape,
                                     parse_common, parse_sampling)
 
@@ -25,7 +26,7 @@ _KNOWN = {
     "model", "stream", "stream_options", "n", "temperature", "top_p", "top_k", "seed", "stop", "user",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "cache_salt", "min_tokens",
     "response_format",
-} | _OWN | SAMPLING_FIELDS | STRUCTURED_FIELDS
+} | _OWN | SAMPLING_FIELDS | STRUCTURED_FIELDS | REQUEST_FIELDS
 # the answer is the model's raw continuation: nothing is stripped (no generation prompt, no lead)
 RAW = TemplateOptions(add_generation_prompt=False)
 
@@ -112,11 +113,18 @@ def parse_completion_requests(body: Any, limits: LimitsConfig, default_model: st
     if echo and logprobs is not None:
         scored = max(scored or 0, logprobs)
     rest = {k: v for k, v in body.items() if k not in _OWN}
-    sampling = dataclasses.replace(parse_sampling(rest, limits), max_tokens=max_tokens,
-                                   logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    parsed = parse_sampling(rest, limits)
+    if parsed.min_tokens > max_tokens:
+        if body.get("max_tokens") is not None:  # vLLM refuses it too (never capped silently)
+            raise BadRequest(f"'min_tokens' ({parsed.min_tokens}) must not be above 'max_tokens' ({max_tokens})",
+                             param="min_tokens")
+        max_tokens = parsed.min_tokens  # the default stretches to an explicit min_tokens
+    sampling = dataclasses.replace(parsed, max_tokens=max_tokens, logprobs=logprobs is not None,
+                                   top_logprobs=logprobs or 0)
     add_special = flag(body, "add_special_tokens", True)
+    options = request_options(body)
     return tuple(
         ChatRequest(model=model, messages=(), sampling=sampling, stream=stream, include_usage=include_usage,
-                    cache_salt=salt, template=RAW,
+                    cache_salt=salt, template=RAW, options=options,
                     prompt=RawPrompt(text, ids, add_special, echo, scored, prompt_logprobs))
         for text, ids in prompts)

@@ -9,13 +9,22 @@ with a 400 naming it; never silently ignored:
   tokenizers, as it is for fast tokenizers in vLLM), `best_of` (only equal to `n`: mmserve does
   not rank candidates), `use_beam_search` (false only), `length_penalty` (beam search only: any
   value is accepted and, as in vLLM without beam search, unused), `prompt_logprobs` (null only
-  here: `/v1/completions` computes them, `mmserve.inputs.completions`), `add_special_tokens` (false only, vLLM's default for chat), `priority` (0 only);
+  here: `/v1/completions` computes them, `mmserve.inputs.completions`), `add_special_tokens` (false only, vLLM's
+  default for chat), `priority` (0 only: mmserve has no priority scheduling yet, so any other
+  value is a 400 saying so);
   `top_k`, `min_tokens` and `repetition_penalty` are parsed with OpenAI's own fields;
 * the chat template: `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`;
 * `echo`: the answer starts with the last message's content when that message has the answer's
   role (assistant, or the last message's own role without a generation prompt);
-* structured output: `guided_json`, `guided_regex`, `guided_choice`, `structured_outputs`
-  (`json`, `regex`, `choice`, `json_object`), on the grammar path of `response_format`.
+* structured output: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (a Lark
+  grammar, llguidance's dialect), `structured_outputs` (`json`, `regex`, `choice`, `grammar`,
+  `json_object`), on the grammar path of `response_format`; `guided_decoding_backend` names the
+  backend: "auto", "guidance" (vLLM's name of llguidance) or "llguidance", anything else a 400;
+* per request (`RequestOptions`): `request_id` (the client's label of the request: logged and
+  echoed in x-request-id, never the internal id; the header wins when both are sent),
+  `truncate_prompt_tokens` (the prompt's last k tokens are kept; -1 as many as the model takes;
+  a prompt with images is refused rather than cut), `return_tokens_as_token_ids` (logprob tokens
+  read "token_id:N").
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.errors import BadRequest, UnsupportedParameter, clip
-from mmserve.generation.grammar import choice_grammar, grammar_for, json_schema_grammar, regex_grammar
+from mmserve.generation.grammar import choice_grammar, grammar_for, json_schema_grammar, lark_grammar, regex_grammar
 
 SAMPLING_FIELDS = {
     "ignore_eos", "min_p", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
@@ -35,9 +44,14 @@ SAMPLING_FIELDS = {
     "add_special_tokens", "priority",
 }
 TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo"}
-STRUCTURED_ORDER = ("guided_json", "guided_regex", "guided_choice", "structured_outputs")
-STRUCTURED_FIELDS = set(STRUCTURED_ORDER)
-VLLM_FIELDS = SAMPLING_FIELDS | TEMPLATE_FIELDS | STRUCTURED_FIELDS
+STRUCTURED_ORDER = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+STRUCTURED_FIELDS = set(STRUCTURED_ORDER) | {"guided_decoding_backend"}
+REQUEST_FIELDS = {"request_id", "truncate_prompt_tokens", "return_tokens_as_token_ids"}
+VLLM_FIELDS = SAMPLING_FIELDS | TEMPLATE_FIELDS | STRUCTURED_FIELDS | REQUEST_FIELDS
+# vLLM's names of structured-output backends that mean the one mmserve has (llguidance, which
+# vLLM calls "guidance"); "auto" lets the server choose
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")  # as the x-request-id header's
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_SCHEMA_TEXT = 64 * 1024
@@ -110,8 +124,12 @@ def sampling_extensions(body: dict, n: int) -> dict:
     if flag(body, "add_special_tokens", False):
         raise UnsupportedParameter("'add_special_tokens': true is not supported: the chat template adds the "
                                    "special tokens", param="add_special_tokens")
-    if body.get("priority") not in (None, 0):
-        raise UnsupportedParameter("'priority' other than 0 is not supported: requests are served oldest first",
+    priority = body.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise BadRequest(f"'priority' must be an integer, got {clip(priority)}", param="priority")
+    if priority not in (None, 0):
+        raise UnsupportedParameter("'priority' other than 0 is not supported yet: mmserve has no priority "
+                                   "scheduling (requests are admitted oldest first); leave it out or send 0",
                                    param="priority")
     flag(body, "spaces_between_special_tokens", True)  # no effect with transformers 5 tokenizers
     min_p = body.get("min_p")
@@ -124,6 +142,39 @@ def sampling_extensions(body: dict, n: int) -> dict:
         skip_special_tokens=flag(body, "skip_special_tokens", True),
         include_stop_str_in_output=flag(body, "include_stop_str_in_output", False),
     )
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """vLLM's per-request fields that are not sampling: the client's label for the request, how
+    its prompt is cut, and how its logprobs name tokens."""
+
+    client_request_id: str | None = None  # vLLM's `request_id`: a label (logged, echoed), never a key
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit
+    tokens_as_ids: bool = False  # `return_tokens_as_token_ids`: logprob tokens read "token_id:N"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries usage
+
+
+def request_options(body: dict) -> RequestOptions:
+    rid = body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not _CLIENT_ID.match(rid)):
+        raise BadRequest("'request_id' must be 1 to 128 letters, digits or '.', '_', ':', '-' (it becomes the "
+                         f"request's client id, as the x-request-id header), got {clip(rid)}", param="request_id")
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (not _is_int(truncate) or not (truncate == -1 or 1 <= truncate < 2**31)):
+        raise BadRequest(f"'truncate_prompt_tokens' must be an integer >= 1 (keep the prompt's last k tokens) or "
+                         f"-1 (as many as the model takes), got {clip(truncate)}", param="truncate_prompt_tokens")
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in GRAMMAR_BACKENDS:
+        raise UnsupportedParameter(f"'guided_decoding_backend' {clip(backend)} is not available: mmserve's "
+                                   f"structured output runs on llguidance ({', '.join(map(repr, GRAMMAR_BACKENDS))} "
+                                   "name it)", param="guided_decoding_backend")
+    opts = body.get("stream_options")
+    continuous = flag(opts, "continuous_usage_stats", False) if isinstance(opts, dict) else False
+    if continuous and not opts.get("include_usage"):
+        raise BadRequest("'stream_options.continuous_usage_stats' needs 'include_usage': true (as vLLM)",
+                         param="stream_options.continuous_usage_stats")
+    return RequestOptions(rid, truncate, flag(body, "return_tokens_as_token_ids", False), continuous)
 
 
 def _token_ids(v: Any) -> tuple[int, ...]:
@@ -162,6 +213,14 @@ def wants_echo(body: dict) -> bool:
     return flag(body, "echo", False)
 
 
+def echo_text(messages: tuple, template: TemplateOptions) -> str:
+    """vLLM's `echo`: the last message's text when it has the answer's role (the assistant's, or,
+    without a generation prompt, the last message's own), else nothing."""
+    role = "assistant" if template.add_generation_prompt else messages[-1].role
+    last = messages[-1]
+    return "".join(p.text for p in last.parts if hasattr(p, "text")) if last.role == role else ""
+
+
 def structured_grammar(body: dict) -> str | None:
     """The grammar of the request's structured output: `response_format`, or one of vLLM's
     `guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` (at most one of them)."""
@@ -180,6 +239,8 @@ def structured_grammar(body: dict) -> str | None:
         return json_schema_grammar(_schema(body[key], key), key)
     if key == "guided_regex":
         return regex_grammar(body[key], key)
+    if key == "guided_grammar":
+        return lark_grammar(body[key], key)
     return choice_grammar(body[key], key)
 
 
@@ -194,15 +255,15 @@ def _structured_outputs(spec: Any) -> str | None:
         if key in _SO_FLAGS:
             if value is not None and not isinstance(value, bool):
                 raise BadRequest(f"structured_outputs.{key} must be a boolean", param=f"structured_outputs.{key}")
-        elif key not in ("json", "regex", "choice", "json_object") and value is not None:
+        elif key not in ("json", "regex", "choice", "grammar", "json_object") and value is not None:
             where = f"structured_outputs.{key}" if _IDENTIFIER.match(key) else "structured_outputs"
             raise UnsupportedParameter(f"structured_outputs.{clip(key, 64)} is not supported by mmserve "
-                                       "(supported: json, regex, choice, json_object)", param=where)
-    kinds = [k for k in ("json", "regex", "choice") if spec.get(k) is not None]
+                                       "(supported: json, regex, choice, grammar, json_object)", param=where)
+    kinds = [k for k in ("json", "regex", "choice", "grammar") if spec.get(k) is not None]
     if spec.get("json_object"):
         kinds.append("json_object")
     if len(kinds) != 1:
-        raise BadRequest("'structured_outputs' needs exactly one of json, regex, choice or json_object; got "
+        raise BadRequest("'structured_outputs' needs exactly one of json, regex, choice, grammar or json_object; got "
                          f"{', '.join(kinds) or 'none'}", param="structured_outputs")
     kind = kinds[0]
     if kind == "json":
@@ -211,6 +272,8 @@ def _structured_outputs(spec: Any) -> str | None:
         return regex_grammar(spec["regex"], "structured_outputs.regex")
     if kind == "choice":
         return choice_grammar(spec["choice"], "structured_outputs.choice")
+    if kind == "grammar":
+        return lark_grammar(spec["grammar"], "structured_outputs.grammar")
     return grammar_for({"type": "json_object"})
 
 

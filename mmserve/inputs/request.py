@@ -16,8 +16,8 @@ from mmserve.errors import CLIP_CHARS, BadRequest, UnsupportedParameter, clip
 from mmserve.config import LimitsConfig
 from mmserve.inputs.remote_images import check_url, is_remote_url
 from mmserve.generation.sampling import SamplingParams
-from mmserve.inputs.extensions import (VLLM_FIELDS, TemplateOptions, sampling_extensions, structured_grammar,
-                                       template_options, wants_echo)
+from mmserve.inputs.extensions import (VLLM_FIELDS, RequestOptions, TemplateOptions, echo_text, request_options,
+                                       sampling_extensions, structured_grammar, template_options, wants_echo)
 from mmserve.generation.tool_calls import ToolCall
 from mmserve.inputs.tools import Tools, parse_tool_call_id, parse_tool_calls, parse_tools
 
@@ -74,6 +74,7 @@ class ChatRequest:
     tools: Tools | None = None  # tools, tool_choice, parallel_tool_calls (mmserve.inputs.tools)
     # /v1/completions: a raw prompt, tokenized without the chat template (`messages` is empty)
     prompt: RawPrompt | None = None
+    options: RequestOptions = RequestOptions()  # vLLM's request_id, truncate_prompt_tokens, ...
 
     @property
     def num_images(self) -> int:
@@ -247,10 +248,13 @@ def parse_sampling(body: dict, limits: LimitsConfig) -> SamplingParams:
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
         raise BadRequest("'seed' must be an integer", param="seed")
     min_tokens = _integer(body, "min_tokens", 0, limits.max_tokens) or 0
+    if max_tokens is not None and min_tokens > max_tokens:  # vLLM refuses it too (never capped silently)
+        raise BadRequest(f"'min_tokens' ({min_tokens}) must not be above max_tokens ({max_tokens})", param="min_tokens")
     logprobs, top_logprobs = _logprobs(body)
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
+        # without a max_tokens, the default stretches to an explicit min_tokens
+        max_tokens=max_tokens if max_tokens is not None else max(limits.default_max_tokens, min_tokens),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
         top_k=_integer(body, "top_k", -1, 1_000_000) or 0,
@@ -328,6 +332,7 @@ def parse_messages(raw: Any, limits: LimitsConfig, assistant_last: bool = False)
     if len(raw) > limits.max_messages:
         raise BadRequest(f"at most {limits.max_messages} messages are allowed", param="messages")
     messages = []
+    called: set[str] = set()  # the ids of the calls made so far
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -343,7 +348,8 @@ def parse_messages(raw: Any, limits: LimitsConfig, assistant_last: bool = False)
         calls = parse_tool_calls(m["tool_calls"], where, role) if m.get("tool_calls") else ()
         content = m.get("content")
         parts = () if calls and content in (None, "", []) else _parts(content, where, role, limits)
-        call_id = parse_tool_call_id(m, where) if role == "tool" else None
+        call_id = parse_tool_call_id(m, where, called) if role == "tool" else None
+        called.update(c.id for c in calls)
         messages.append(Message("system" if role == "developer" else role, parts, calls, call_id))
     if messages[-1].role == "assistant" and not assistant_last:
         raise BadRequest("the last message must not be from the assistant: nothing to answer", param="messages")
@@ -405,13 +411,7 @@ def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> C
         cache_salt=salt,
         tools=parse_tools(body),
         template=template,
-        echo=_echo(messages, template) if wants_echo(body) else "",
+        echo=echo_text(messages, template) if wants_echo(body) else "",
+        options=request_options(body),
     )
 
-
-def _echo(messages: tuple[Message, ...], template: TemplateOptions) -> str:
-    """vLLM's `echo`: the last message's text when it has the answer's role (the assistant's, or,
-    without a generation prompt, the last message's own), else nothing."""
-    role = "assistant" if template.add_generation_prompt else messages[-1].role
-    last = messages[-1]
-    return "".join(p.text for p in last.parts if isinstance(p, TextPart)) if last.role == role else ""

@@ -11,6 +11,11 @@ What each choice does:
   grammar (llguidance) to calls — of any of the tools, or of the named one — whose arguments
   validate against the function's parameter schema; one call, or one or more when
   `parallel_tool_calls` is true (the default).
+
+`strict: true` on a function is enforced as `response_format`'s is: its parameter schema must
+follow OpenAI's strict rules (a 400 naming the rule otherwise), and under "auto" the answer is
+grammar-constrained too — plain text that opens no call, or only calls, a strict function's
+arguments following its schema (`strict_auto_grammar`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import BadRequest, clip
-from mmserve.generation.tool_calls import Function, ToolCall, call_grammar, check_parameters
+from mmserve.generation.json_schema import check_strict
+from mmserve.generation.tool_calls import Function, ToolCall, call_grammar, check_parameters, strict_auto_grammar
 
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")  # OpenAI's rule for function names
@@ -83,6 +89,8 @@ def _function(tool: Any, i: int) -> Function:
     if not isinstance(params, dict):
         raise BadRequest(f"{where}.function.parameters must be a JSON schema (an object)",
                          param=f"{where}.function.parameters")
+    if strict:  # OpenAI's strict-mode rules, as response_format's json_schema with strict checks them
+        check_strict(params, f"{where}.function.parameters")
     function = Function(name, params, description, strict)
     check_parameters(function, f"{where}.function.parameters")
     return function
@@ -145,9 +153,11 @@ def bind_tools(tools: Tools | None, model: str, parser: str | None) -> tuple[Too
                          "tool_parser in its [[models]] table (e.g. \"hermes\"), or ask for 'required' or a named "
                          "function", param="tool_choice")
     grammar = call_grammar(forced, tools.parallel) if forced else None
-    # a forced call is written in hermes markup whatever the model's own parser (the one format
-    # a grammar makes here), so it is read back with the hermes parser
-    return dataclasses.replace(tools, parser="hermes" if forced else parser), grammar
+    if not forced and any(f.strict for f in tools.functions):  # "auto" with strict tools: calls validate
+        grammar = strict_auto_grammar(tools.functions, tools.parallel)
+    # a call a grammar shapes is written in hermes markup whatever the model's own parser (the one
+    # format a grammar makes here), so it is read back with the hermes parser
+    return dataclasses.replace(tools, parser="hermes" if grammar is not None else parser), grammar
 
 
 # -- the history -----------------------------------------------------------------------------------
@@ -182,11 +192,16 @@ def parse_tool_calls(raw: Any, where: str, role: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def parse_tool_call_id(m: dict, where: str) -> str:
+def parse_tool_call_id(m: dict, where: str, called: set[str]) -> str:
+    """A tool message's `tool_call_id`: one of the `called` ids of earlier assistant messages
+    (OpenAI's rule: a result answers a call made before it)."""
     call_id = m.get("tool_call_id")
     if not isinstance(call_id, str) or not call_id:
         raise BadRequest(f"{where}: a 'tool' message needs a 'tool_call_id' string (the id of the call it answers)",
                          param=f"{where}.tool_call_id")
+    if call_id not in called:
+        raise BadRequest(f"{where}: a 'tool' message must answer a call of an earlier assistant message; no "
+                         f"earlier message has a tool call with id {clip(call_id)}", param=f"{where}.tool_call_id")
     return call_id
 
 

@@ -43,6 +43,8 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
             raise ValueError(f"model {self.name!r}: {self.path} holds a {config.model_type!r} model, not Qwen3-VL")
         self.hidden_size = int(config.text_config.hidden_size)
         self.deepstack_levels = len(config.vision_config.deepstack_visual_indexes)
+        text = self.language_model
+        text._deepstack_process = dense_deepstack(text._deepstack_process)
 
     @property
     def encoder_width(self) -> int:
@@ -95,3 +97,18 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
             raise ValueError("the step's image pieces overlap")
         levels = [rows[:, h * (k + 1):h * (k + 2)] for k in range(self.deepstack_levels)]
         return embeds, {"visual_pos_masks": mask.to(self.device), "deepstack_visual_embeds": levels}
+
+
+def dense_deepstack(merge):
+    """Qwen3-VL's DeepStack merge (`Qwen3VLTextModel._deepstack_process(hidden [1, T, H], mask
+    [1, T], rows [n, H])`: `hidden[mask] += rows`), which also takes one row per token — a static
+    step's dense level, zero off the images (`generation.mixed_step`) — and then adds it whole,
+    with no boolean index (whose output shape follows the mask: a host sync, no CUDA graph). The
+    two agree wherever both apply: transformers' form with n == T has every token an image token."""
+
+    def process(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor | None, visual_embeds: torch.Tensor):
+        if hidden_states.shape[0] == 1 and visual_embeds.shape[0] == hidden_states.shape[1]:
+            return hidden_states + visual_embeds.to(hidden_states.device, hidden_states.dtype).unsqueeze(0)
+        return merge(hidden_states, visual_pos_masks, visual_embeds)
+
+    return process

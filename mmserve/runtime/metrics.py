@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mmserve.runtime.load import model_loads
+
 if TYPE_CHECKING:
     from mmserve.runtime.runtime import Runtime
 
@@ -108,27 +110,30 @@ class _RuntimeCollector:
                      "Fraction of KV blocks held by running requests (0-1); cached blocks nobody holds count as free.")
         kv_evictable = g("mmserve:kv_cache_evictable_perc",
                          "Fraction of KV blocks holding cached prefixes nobody holds (free to evict, 0-1).")
+        quarantined = g("mmserve:kv_cache_quarantined_blocks",
+                        "KV blocks held for model steps abandoned by a restart that still run (they may "
+                        "still write them): never granted until those steps return; 0 in steady state.")
         enc_bytes = g("mmserve:encoder_cache_bytes", "Bytes of encoder outputs held in the encoder cache.")
         pq = c("mmserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         ph = c("mmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         mq = c("mmserve:mm_cache_queries", "Multimodal items looked up in the encoder cache.")
         mh = c("mmserve:mm_cache_hits", "Multimodal items found in the encoder cache.")
-        live = [h for h in rt._live if h.active]
+        loads = {load.model: load for load in model_loads(rt)}  # the figures /v1/loads reports too
         for name, m in rt.registry.loaded.items():
-            gen_ids = {s.handle.request_id for s in m.generator.running if s.admitted}
-            running.add_metric([name], len(gen_ids))
-            waiting.add_metric([name], sum(1 for h in live if h.model == name and h.request_id not in gen_ids))
+            load = loads[name]
+            running.add_metric([name], load.running)
+            waiting.add_metric([name], load.waiting)
             enc = m.encoder.stats()
             enc_bytes.add_metric([name], enc.get("bytes_in_use", 0))
             mq.add_metric([name], enc.get("hits", 0) + enc.get("misses", 0))
             mh.add_metric([name], enc.get("hits", 0))
-            kv = m.prefix_cache.stats()
-            blocks = kv["num_blocks"] or 1
-            kv_usage.add_metric([name], kv["referenced_blocks"] / blocks)
-            kv_evictable.add_metric([name], kv["evictable_blocks"] / blocks)
-            pq.add_metric([name], kv["query_tokens"])
-            ph.add_metric([name], kv["hit_tokens"])
-        yield from (running, waiting, kv_usage, kv_evictable, enc_bytes, pq, ph, mq, mh)
+            kv_usage.add_metric([name], load.kv_usage)
+            kv_evictable.add_metric([name], load.evictable)
+            quarantined.add_metric([name], m.prefix_cache.stats()["quarantined_blocks"])
+            pq.add_metric([name], load.query_tokens)
+            ph.add_metric([name], load.hit_tokens)
+        yield from (running, waiting, kv_usage, kv_evictable, quarantined, enc_bytes, pq, ph, mq, mh)
+        yield from _step_path_metrics(rt, c)
         yield from _shared_tier_metrics(rt, g, c)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():
@@ -157,6 +162,26 @@ _SHARED_COUNTERS = {  # stats key → (metric, help)
     "finish_flush_late": ("shared_cache_finish_flush_timeouts", "Answers that ended after finish_flush_ms "
                           "with writes still pending."),
 }
+
+
+def _step_path_metrics(rt, c):
+    """How the model runner ran its steps: from the static buffers (a replayed graph on CUDA), by
+    kind, and eagerly, by reason — a step larger than the largest bucket ("too_many_tokens",
+    "too_many_sequences", "too_long"), one wanting a prompt's logprobs, a backend without static
+    steps ("backend_not_capturable": the CPU's sdpa)."""
+    static = c("mmserve:static_steps", "Model steps run from the static buffers (replayed graphs on CUDA), "
+               "by kind (decode: a batch bucket; mixed: prefill chunks and decode tokens, a token bucket).",
+               ("model_name", "kind"))
+    eager = c("mmserve:eager_steps", "Model steps run eagerly (no graph), by why: too_many_tokens (past the "
+              "largest token bucket), too_many_sequences, too_long (a block table past the static width), "
+              "prompt_logprobs, bidirectional_spans, family_inputs, backend_not_capturable.", ("model_name", "reason"))
+    for name, m in rt.registry.loaded.items():
+        runner = m.generator.runner
+        static.add_metric([name, "decode"], runner.static_steps)
+        static.add_metric([name, "mixed"], runner.mixed_steps)
+        for reason, count in sorted(runner.eager_reasons.items()):
+            eager.add_metric([name, reason], count)
+    yield from (static, eager)
 
 
 def _shared_tier_metrics(rt, g, c):

@@ -4,6 +4,7 @@ recently used idle one beyond `max_loaded_models`, and gives each loaded model i
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -34,7 +35,11 @@ class LoadedModel:
     adapter: Adapter
     actors: dict[str, Actor]  # "encoder", "generator", "prefix_cache" (the KV arena's manager), "shared_tier"
     last_used: float = field(default_factory=time.monotonic)
-    routed: set = field(default_factory=set)  # handles of requests routed here (until they end)
+    # the requests routed here, held weakly: an entry goes when the last reference to its handle
+    # does (the caller's stream, the actor holding it), so an ended request leaves nothing here
+    # whatever prunes or unloads ever run (issue 46: a strong set kept every handle, its images
+    # and its output channel, until the model was unloaded)
+    routed: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     @property
     def name(self) -> str:
@@ -57,8 +62,8 @@ class LoadedModel:
 
     @property
     def idle(self) -> bool:
-        self.routed = {h for h in self.routed if h.active}
-        return not (self.routed or self.generator.running or any(
+        """No request it serves lives: none routed here is active, and no actor holds or awaits one."""
+        return not (any(h.active for h in self.routed) or self.generator.running or any(
             a.in_flight or a.inbox.statistics().current_buffer_used for a in self.actors.values()))
 
 
@@ -141,9 +146,9 @@ class ModelRegistry:
             # the CPU bench a third of its batched throughput (measured: @8 concurrent 234 -> 155 tok/s)
             runner = actors["generator"].runner
             captured = await compute.run(runner.capture, owner=f"registry[{mc.name}]") if runner.captures else 0
-            if runner.captures and runner.graphs.failed:  # those buckets decode eagerly: slower, still right
-                self.log.warning("registry.decode_graphs_failed", model=mc.name, buckets=sorted(runner.graphs.failed),
-                                 error=next(iter(runner.graphs.failed.values())))
+            for kind, failed in runner.failed_captures.items():  # those buckets run eagerly: slower, still right
+                self.log.warning("registry.graphs_failed", model=mc.name, steps=kind, buckets=sorted(failed),
+                                 error=next(iter(failed.values())))
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
             if (tier := model.actors.get("shared_tier")) is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -29,10 +30,11 @@ from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
 from mmserve.inputs.completions import parse_completion_requests
 from mmserve.inputs.request import ChatRequest, parse_chat_request
+from mmserve.inputs.tokenize import parse_detokenize, parse_tokenize
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
 from mmserve.generation.runner import ModelRunner
-from mmserve.runtime import gc_heap
+from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.sizing import context_tokens, kv_budget
@@ -68,7 +70,9 @@ class Runtime:
         self.intake = Intake(config.limits, self._route, config.kv_cache, config.generator.lookup_timeout_s)
         self.log = get_logger("runtime")
         self.started = time.time()
-        self._live: set[RequestHandle] = set()
+        # every request admitted and not yet gone, held weakly: a handle leaves with its last
+        # reference (its caller's stream, the actor holding it), never by a prune that may not run
+        self._live: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
         self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
         self.metrics = Metrics()
         self.metrics.attach(self)
@@ -153,11 +157,13 @@ class Runtime:
         block_bytes = KVArena.block_bytes_for(adapter, kv.block_size)
         budget = kv_budget(self.config, rt.device, block_bytes, context_tokens(self.config, adapter))
         runner = ModelRunner(adapter, budget.value, kv.block_size, rt.attention_backend,
-                             max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs)
+                             max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs,
+                             max_tokens=gen.max_batched_tokens, token_buckets=rt.graph_token_buckets or None)
         runner.kv_budget_from = budget.why  # for the load log line
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics)
         manager.generator = generator.inbox_send
+        manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
         encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
         return {"prefix_cache": manager, "encoder": encoder, "generator": generator}
 
@@ -256,6 +262,31 @@ class Runtime:
         started with `chat(request=...)` and served on the chat path, its prompt untemplated."""
         return parse_completion_requests(body, self.config.limits, self.config.default_model)
 
+    # -- vLLM's tokenizer routes (mmserve.runtime.tokenization) -------------------------------
+
+    async def _adapter(self, model: str | None):
+        name = model or self.config.default_model
+        self.registry.configured(name)  # ModelNotFound (404) for a name that is not configured
+        return (await self.registry.get(name)).adapter
+
+    async def tokenize(self, body: dict) -> dict:
+        """vLLM's `/tokenize`: a `prompt`, or `messages` rendered as a chat request's prompt is
+        (images expanded to the tokens the model sees): `{count, max_model_len, tokens, token_strs}`."""
+        request = parse_tokenize(body, self.config.limits, self.config.default_model)
+        adapter = await self._adapter(request.model)
+        return await trio.to_thread.run_sync(tokenization.tokenize, adapter, request, self.config.limits,
+                                             limiter=self.intake.limiter, abandon_on_cancel=True)
+
+    async def detokenize(self, body: dict) -> dict:
+        """vLLM's `/detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`."""
+        request = parse_detokenize(body, self.config.limits, self.config.default_model)
+        adapter = await self._adapter(request.model)
+        return tokenization.detokenize(adapter, request)
+
+    async def tokenizer_info(self, model: str | None = None) -> dict:
+        """vLLM's `/tokenizer_info`: the tokenizer's class, special tokens and chat template."""
+        return tokenization.tokenizer_info(await self._adapter(model))
+
     async def text_completion(self, prompt: str | list, **params: Any) -> ChatCompletion:
         """One legacy completion of a single raw `prompt` (text or token ids), run to its end;
         the keywords are those of `/v1/completions` (`max_tokens` defaults to 16)."""
@@ -285,7 +316,8 @@ class Runtime:
 
         Every request gets a fresh internal id (`stream.request_id`) that keys all of its state;
         `client_request_id` is the caller's label for it, logged beside the internal id and
-        searchable with `mmserve trace`, and may be shared by any number of requests. (`request_id`:
+        searchable with `mmserve trace`, and may be shared by any number of requests (a body's vLLM
+        `request_id` is used when it is not given). (`request_id`:
         an internal id the HTTP layer minted already, never a client's.) A refused request logs one
         `request.rejected` line and counts in `mmserve:request_rejected_total`.
         """
@@ -297,6 +329,8 @@ class Runtime:
                     body["messages"] = messages
                 request = self.parse(body)
             request = self._bind_tools(request)  # a ChatRequest parsed elsewhere
+            # the body's vLLM `request_id` labels the request when the caller (header) gave none
+            client_request_id = client_request_id or request.options.client_request_id
             self.registry.configured(request.model)
             health = self.supervisor.health(request.model)  # a model that failed to load is tried again
             if not health.ok:  # fail fast: never queue behind a dead, hung or draining actor
@@ -325,9 +359,8 @@ class Runtime:
 
     def _admit_or_refuse(self) -> None:
         """Back-pressure: beyond `max_pending_requests` in flight, refuse with 429 + Retry-After."""
-        self._live = {h for h in self._live if h.active}
         limit = self.config.limits.max_pending_requests
-        if len(self._live) >= limit:
+        if len(self._in_flight()) >= limit:
             raise Overloaded(f"mmserve is at its limit of {limit} requests in flight; retry shortly",
                              retry_after_s=1.0)
 

@@ -79,6 +79,8 @@ class ChatStream:
         self._done = False
         self._first_token_at: float | None = None
         self._finished: list[FinishEvent] = []
+        self._drawn: dict[int, int] = {}  # choice -> tokens drawn so far (continuous usage)
+        self._prompt_tokens = 0
         tools = handle.request.tools
         self._parsers = ([tool_call_parser(tools.parser) for _ in range(handle.choices)]
                          if tools is not None and tools.parsed else None)
@@ -122,6 +124,9 @@ class ChatStream:
             self._log_end(error.status, error=error.message)
             raise error from None
         if isinstance(event, TokenEvent):
+            if event.prompt_tokens:
+                self._prompt_tokens = event.prompt_tokens
+                self._drawn[event.index] = event.completion_tokens
             if self._first_token_at is None:
                 self._first_token_at = time.monotonic()
             if self._parsers is not None:
@@ -136,6 +141,8 @@ class ChatStream:
                 if parser.calls and event.finish_reason == "stop":  # it called: OpenAI's reason
                     event = dataclasses.replace(event, finish_reason="tool_calls")
             self._finished.append(event)
+            self._drawn[event.index] = event.usage.completion_tokens
+            self._prompt_tokens = event.usage.prompt_tokens
             usage = self.usage
             if len(self._finished) >= self.handle.choices:
                 self._done = True
@@ -163,6 +170,12 @@ class ChatStream:
         first = self._finished[0].usage
         return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in self._finished),
                      first.cached_tokens)
+
+    @property
+    def usage_so_far(self) -> Usage:
+        """The usage as it stands now (vLLM's continuous_usage_stats): the prompt once, the tokens
+        every choice has drawn so far (0 prompt tokens before the first token is drawn)."""
+        return Usage(self._prompt_tokens, sum(self._drawn.values()))
 
     def _log_end(self, status: int, finish_reason: str | None = None, usage: Usage | None = None, **extra) -> None:
         """The one canonical line per finished request."""

@@ -129,3 +129,13 @@ class SyncRuntime:
     def drain(self, grace_s: float | None = None) -> None:
         """Stops admitting, lets requests in flight finish for up to `grace_s` (see Runtime.drain)."""
         return self._await(self._rt.drain, grace_s)
+
+    def tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize (see Runtime.tokenize)."""
+        return self._await(self._rt.tokenize, body)
+
+    def detokenize(self, body: dict) -> dict:
+        return self._await(self._rt.detokenize, body)
+
+    def tokenizer_info(self, model: str | None = None) -> dict:
+        return self._await(self._rt.tokenizer_info, model)

@@ -9,6 +9,7 @@ from time import perf_counter
 
 import trio
 
+from mmserve.bench import retention
 from mmserve.bench.arena_usage import ArenaUsage
 from mmserve.bench.gpu_busy import PeakMemory, measure_busy, measure_host_share
 from mmserve.bench.common import MODEL, Timing, median, percentile, ratio, row, timed_chat, timed_http
@@ -179,8 +180,23 @@ async def concurrency(b: Bench) -> dict:
     batched = next(lv for lv in levels if lv["concurrency"] == top)["hf_batched"]
     embedded["hf_batched_agg_tps"] = batched["agg_tps"]
     embedded["ratio_agg_tps_batched"] = ratio(embedded["agg_tps"], batched["agg_tps"])
+    b.note(f"RSS over {p.retention_requests} requests once the caches are full")
+    kept = await retention.measure(b)
     return {"new_tokens": p.sweep_tokens, "levels": levels, "health_idle": idle, "health_during": top,
-            "embedded": embedded, "rows": _concurrency_rows(levels, idle, top, p.device) + _embedded_rows(embedded, top)}
+            "embedded": embedded, "retention": kept,
+            "rows": _concurrency_rows(levels, idle, top, p.device) + _embedded_rows(embedded, top)
+            + [_retention_row(kept)]}
+
+
+def _retention_row(r: dict) -> dict:
+    """Resident memory growth per 1,000 requests once both caches are full: what requests leave
+    behind (issue 46's leak kept ~7.7 MiB per 1,000 small requests, ~5.4 GiB with 4 MB images). A
+    figure without a target: runs are not yet long enough to tell a small slope from the
+    allocator's noise, but a request kept alive shows."""
+    full = "" if r["caches_full"] else f"; caches NOT full after {r['fill_requests']} requests"
+    return row("2 concurrency", f"RSS growth per 1,000 requests, caches full ({r['requests']} requests "
+               f"@{r['concurrency']} after {r['fill_requests']} to fill, embedded; slope of "
+               f"{len(r['samples'])} readings, R² {r['r2']:.2f}{full})", r["growth_per_1000_mib"], "MiB")
 
 
 def _concurrency_rows(levels: list[dict], idle: dict, top: int, device: str) -> list[dict]:

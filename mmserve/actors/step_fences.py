@@ -1,0 +1,44 @@
+"""The generator's half of the step fence (a part of `Generator`): a step abandoned while it still
+runs — the stall watchdog restarted the generator and replaced the compute thread — may write on,
+so its blocks are quarantined by the manager until it has really returned (`prefix_cache`'s
+`QuarantineSide` holds them; see docs/design.md, "No write without ownership")."""
+
+from __future__ import annotations
+
+import trio
+
+from mmserve.actors.messages import Quarantine, StepReturned
+from mmserve.generation.scheduler import Planned
+
+
+class StepFences:
+    """Generator methods: what to do if a step is abandoned (`compute.run`'s `if_abandoned`)."""
+
+    def _quarantine(self, plan: list[Planned]):
+        """What to do if this step is abandoned while it still runs (a restart by the stall
+        watchdog): every block it may write — its sequences' tables (only their new tokens' blocks
+        are written, the rest read) and the copies' targets — is quarantined by the manager, in a
+        report sent at once, before the releases of its sequences; the step's own return (the
+        compute thread's call really finished, or dropped unrun) ends the quarantine."""
+        step, copies = next(self._step_ids), list(self._copies)
+        token, manager = trio.lowlevel.current_trio_token(), self.cache_manager
+
+        def returned() -> None:  # on the compute thread (or wherever the step settles)
+            def deliver() -> None:
+                try:
+                    manager.send_nowait(StepReturned(step))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                    pass  # the manager is gone, and its arena with it
+            try:
+                token.run_sync_soon(deliver)
+            except trio.RunFinishedError:
+                pass  # the process is ending: nobody will grant those blocks again
+
+        def abandoned():  # in the cancelled generator, before anything it holds is released
+            written = tuple(dict.fromkeys([b for p in plan for b in p.seq.table] + [c.target for c in copies]))
+            self.log.warning("generator.step_abandoned", step=step, blocks=len(written),
+                             request_ids=[p.seq.request_id for p in plan])
+            self._note(Quarantine(step, written))
+            self._report()
+            return returned
+        return abandoned
