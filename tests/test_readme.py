@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import jsonschema
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -69,8 +72,8 @@ def test_repository_paths_named_in_code_exist():
     assert not missing, "\n".join(missing)
 
 
-def _examples(where: str) -> list[str]:
-    found = [code for kind, code in EXAMPLE.findall(README.read_text()) if where in kind]
+def _examples(where: str, exact: bool = False) -> list[str]:
+    found = [code for kind, code in EXAMPLE.findall(README.read_text()) if (where == kind if exact else where in kind)]
     assert found, f"README.md has no example marked 'runs this block {where}'"
     return found
 
@@ -80,13 +83,36 @@ def _expected(code: str) -> list[str]:
     return re.findall(r"^\s*print\(.*\)\s+# (\w+)\s*$", code, re.M)
 
 
-def test_readme_http_example_answers(demo_server):
-    (code,) = _examples("against a demo server")
-    assert "http://127.0.0.1:8000" in code
+def _run_against(server, code: str, namespace: dict) -> str:
+    """Runs a README block pointed at `server`; what it printed."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code.replace("http://127.0.0.1:8000", demo_server.url), "README.md", "exec"), {})
-    assert _expected(code) and all(word in out.getvalue().split() for word in _expected(code)), out.getvalue()
+        exec(compile(code.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), namespace)
+    return out.getvalue()
+
+
+def test_readme_http_example_answers(demo_server):
+    (code,) = _examples("against a demo server", exact=True)
+    assert "http://127.0.0.1:8000" in code
+    out = _run_against(demo_server, code, {})
+    assert _expected(code) and all(word in out.split() for word in _expected(code)), out
+
+
+def test_readme_tool_calling_example_gives_a_valid_call(demo_server):
+    """Issue 44: the example gave 256 tokens of colour words and invalid JSON on `demo`. Run after
+    ask.py (whose `client` and `messages` it reuses), it must answer one call, within its
+    `max_tokens`, whose arguments parse as JSON and validate against the schema it sent."""
+    (ask,) = _examples("against a demo server", exact=True)
+    (code,) = _examples("after the ask.py block")
+    namespace: dict = {}
+    _run_against(demo_server, ask, namespace)
+    out = _run_against(demo_server, code, namespace)
+    r, tool = namespace["r"], namespace["tools"][0]["function"]
+    choice = r.choices[0]
+    # "tool_calls", not "length": the call closed within the example's max_tokens
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, (choice, r.usage)
+    assert [c.function.name for c in choice.message.tool_calls] == [tool["name"]] == out.split()[:1], out
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), tool["parameters"])
 
 
 def test_readme_embedded_examples_run_from_another_directory(tmp_path):
