@@ -128,3 +128,74 @@ def test_readme_embedded_examples_run_from_another_directory(tmp_path):
         assert stdout.strip(), code
         assert all(word in stdout.split() for word in _expected(code)), (code, stdout)
         assert not stdout.lstrip().startswith("{"), "logs on stdout"
+
+
+# -- the README's figures: each tied to where it was measured ------------------------------------
+
+def _figure(pattern: str) -> str:
+    found = re.search(pattern, " ".join(README.read_text().split()))  # prose wraps anywhere
+    assert found, f"README.md no longer says {pattern!r}"
+    return found.group(1)
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def test_readme_test_time_follows_from_its_ci_measurement():
+    """The suite's time is the stated test count at the rate CI measured (within 25%): a README
+    that raises the count without the time, or states a time its measurement does not give, fails."""
+    tests, minutes = _figure(r"The suite \(about ([\d,]+) tests\)"), _figure(r"tests\) takes about (\d+) minutes")
+    measured_tests, measured_s = (_figure(r"measured in CI \(([\d,]+) tests in"),
+                                  _figure(r"tests in (\d+) s of tests"))
+    rate = _number(measured_s) / _number(measured_tests)
+    assert f"{rate:.2f} s a test" in " ".join(README.read_text().split())
+    predicted_minutes = _number(tests) * rate / 60
+    assert 0.8 <= _number(minutes) / predicted_minutes <= 1.25, (minutes, predicted_minutes)
+
+
+def test_readme_test_count_is_the_suites(request):
+    """Run as `make test` runs the suite (all of tests/, not slow), the README's test count is within
+    15% of what was collected; any narrower run cannot tell, and skips."""
+    config = request.config
+    whole = ([Path(a).resolve() for a in config.args] == [ROOT / "tests"]
+             and config.option.markexpr == "not slow" and not config.option.keyword)
+    if not whole:
+        import pytest
+        pytest.skip("only a run of the whole suite as `make test` runs it knows the suite's size")
+    stated = _number(_figure(r"The suite \(about ([\d,]+) tests\)"))
+    assert 0.85 <= len(request.session.items) / stated <= 1.15, (len(request.session.items), stated)
+
+
+def test_readme_quick_bench_time_is_the_saved_runs():
+    """The `--quick` time the README states is the median of the saved quiet `--quick` runs of the
+    default preset on a 2-CPU machine (bench/results/*/report.json: meta.duration_s), within 15%."""
+    from mmserve.bench.report import _busy_load
+
+    stated = _number(_figure(r"\*\*`--quick` takes about 2 minutes on a quiet 2-core machine\*\* \((\d+) s of"))
+    runs = []
+    for report in sorted((ROOT / "bench" / "results").glob("*/report.json")):
+        meta = json.loads(report.read_text())["meta"]
+        params = meta.get("params") or {}
+        if (params.get("name") == "quick" and meta.get("preset") == "bench" and meta.get("device", "cpu") == "cpu"
+                and meta.get("cpu_count") == 2 and len(params.get("scenarios", ())) >= 8 and _busy_load(meta) is None):
+            runs.append(meta["duration_s"])
+    assert len(runs) >= 3, runs
+    median = sorted(runs)[len(runs) // 2]
+    assert 0.85 <= stated / median <= 1.15, (stated, median, runs)
+    assert 60 <= stated <= 150, "then 'about 2 minutes' is no longer true"
+
+
+def test_make_says_what_it_installs_before_each_long_step(tmp_path):
+    """pip runs --quiet: a fresh `make serve` / `make test` printed nothing for over a minute. Each
+    install step (a recipe, ended by touching its stamp) that runs pip says first what it does: going
+    back from every pip line, an echo comes before the previous step's `touch` (make -n: a dry run,
+    nothing installed)."""
+    for target in ("serve", "test"):
+        plan = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}", target], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout.splitlines()
+        pips = [i for i, line in enumerate(plan) if "pip install" in line]
+        assert len(pips) >= 3, plan  # pip itself, torch, mmserve (and the dev extra for test)
+        for at in pips:
+            step = [line.split()[0] for line in reversed(plan[:at]) if line.split()[0] in ("echo", "touch")]
+            assert step and step[0] == "echo", (target, plan[:at + 1])
