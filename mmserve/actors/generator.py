@@ -30,7 +30,8 @@ from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
     FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
 from mmserve.actors.step_fences import StepFences
-from mmserve.actors.step_overlap import CARRIED, StepOverlap, origin
+from mmserve.actors.step_build import StepBuild, StepBuilding
+from mmserve.actors.step_overlap import StepOverlap, origin
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
@@ -43,10 +44,9 @@ from mmserve.generation.step_sampling import Sampled, sample_rows_and
 from mmserve.generation.scheduler import Planned, never_fits, plan_step
 from mmserve.models.adapter import Adapter
 from mmserve.generation.runner import ModelRunner, StepInputs
-from mmserve.models.paged import Segment
 
 
-class Generator(BlockGrants, StepFences, StepOverlap, Answers, Forking, Actor):
+class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, Forking, Actor):
     name = "generator"
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
@@ -305,45 +305,25 @@ class Generator(BlockGrants, StepFences, StepOverlap, Answers, Forking, Actor):
 
     # -- the forward (compute thread) ----------------------------------------------------------
 
-    def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int) -> list:
-        """Forked choices' block copies, then one forward over every planned sequence's new tokens,
-        then one batched sample of those that need a token (their grammar masks computed beside
-        the forward). A failure of one sequence's own work is reported for it alone."""
+    def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int,
+              built: StepBuild | None = None) -> list:
+        """Forked choices' block copies, then one forward over every planned sequence's new tokens
+        (`built`: its inputs, built beforehand), then one batched sample of those that need a token
+        (their grammar masks computed beside the forward). A failure of one sequence's own work is
+        reported for it alone."""
         if incarnation == self._incarnation:  # not abandoned: no block was released under it
             for c in copies:  # before any forward writes: the copy source may be written from now on
                 if c.child.state in LIVE and c.target in c.child.table:
                     self.runner.copy_block(c.source, c.target)
-        results: list = [None] * len(plan)
         carried, self._carried = self._carried, {}  # the tokens the previous step sampled (overlap)
-        rows, ids, images, segments, positions, scoring, spans = [], [], [], [], [], [], []
-        for i, p in enumerate(plan):
-            if p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch:
-                # its table belongs to a dead life of the cache manager, which may have given those
-                # blocks to a shared-tier restore already: it writes nothing (and fails)
-                results[i] = ServiceUnavailable("the KV cache of this model was restarted while the request "
-                                                "ran; retry", retry_after_s=1.0)
-                continue
-            try:
-                if not p.decode:
-                    fault("generator.prefill", p.seq.label)
-                start, end = p.seq.kv_len, p.seq.kv_len + p.tokens
-                rope = self.adapter.rope_positions(p.seq.job.prompt, len(p.seq.ids), start, end)
-                self._encode_lost_images(p.seq, start, end)
-                pieces = self._image_rows(p.seq, start, end)
-            except Exception as e:
-                results[i] = e
-                continue
-            images += [(len(ids) + at, emb) for at, emb in pieces]
-            if not p.decode and scores_prompt(p.seq.handle.request):  # its prompt's own logprobs
-                scoring.append((p.seq, len(ids), start, end))
-            new = p.seq.ids[start:end]
-            if new and new[-1] == CARRIED:  # a step launched ahead: its token is the last step's sample
-                new = (*new[:-1], carried.get(id(origin(p.seq)), 0))
-            ids += new
-            segments.append(Segment(tuple(p.seq.table), start, p.tokens))
-            spans.append(p.seq.bidirectional)
-            positions.append(rope)
-            rows.append(i)
+        if built is None or any(p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch
+                                for p in plan):  # (the epoch fence is checked here, on the thread that writes)
+            built = self._inputs(plan)
+        results, rows, ids, images, segments, positions, scoring, spans = (
+            list(built.results), built.rows, list(built.ids), built.images, built.segments, built.positions,
+            built.scoring, built.spans)
+        for at, key in built.carry_at:
+            ids[at] = carried.get(key, 0)
         if not rows:
             return results
         fault("generator.step")
@@ -373,32 +353,6 @@ class Generator(BlockGrants, StepFences, StepOverlap, Answers, Forking, Actor):
             if results[i] is None:
                 results[i] = -1  # computed, no token due (a prefill chunk before the prompt's end)
         return results
-
-    def _encode_lost_images(self, seq: Sequence, start: int, end: int) -> None:
-        """Encodes again the images among tokens [start, end) that `seq` has no encoder output of:
-        its cached prefix covered them at admission, and a preemption since gave that KV back."""
-        lost = seq.images_to_encode(start, end)
-        if not lost:
-            return
-        fault("generator.reencode", seq.label)
-        prompt = seq.job.prompt
-        outputs = self.adapter.encode_images([prompt.pixels(self.adapter, i) for i in lost])
-        seq.with_embeds(dict(zip(lost, outputs)))
-        self.reencoded_images += len(lost)
-        if self.metrics is not None:
-            self.metrics.reencoded_images(self.adapter.name, len(lost))
-        self.log.info("generator.reencoded", request_id=seq.request_id, images=lost, kv_len=start)
-
-    @staticmethod
-    def _image_rows(seq: Sequence, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
-        """The encoder-output rows over the image placeholders among tokens [start, end) of `seq`:
-        (offset from `start`, rows) per image that falls in the range."""
-        pieces = []
-        for span, emb in zip(seq.job.prompt.spans, seq.job.image_embeds):
-            lo, hi = max(span.start, start), min(span.start + span.length, end)
-            if lo < hi:
-                pieces.append((lo - start, emb[lo - span.start:hi - span.start]))
-        return pieces
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[int, Sequence]], allowed: torch.Tensor | None,
                 grammar_rows: dict[int, int], extra: torch.Tensor | None = None) -> tuple[list, list[float]]:

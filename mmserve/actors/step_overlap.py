@@ -138,7 +138,7 @@ class StepOverlap:
         self._step_end = time.monotonic()
 
     def _launch(self, nursery, plan: list[Planned], views: list[Planned], copies: bool = False,
-                after: Flight | None = None) -> Flight:
+                after: Flight | None = None, built=None) -> Flight:
         """Starts a step on the compute thread; `after`: the step it must be queued behind (trio
         starts tasks in no fixed order, the compute thread runs its queue in order)."""
         flight = Flight(plan, views)
@@ -151,7 +151,7 @@ class StepOverlap:
             if after is not None:
                 await after.queued.wait()
             try:
-                flight.results = await compute.run(self._step, views, taken, self._incarnation,
+                flight.results = await compute.run(self._step, views, taken, self._incarnation, built,
                                                    abandon_on_cancel=True, owner=self.key, if_abandoned=abandoned,
                                                    submitted=flight.queued.set)
             finally:
@@ -186,8 +186,10 @@ class StepOverlap:
         for s, n in zip(going, needs):
             self._draw(s, n)
             plan.append(Planned(s, 1, n, True))
-        ahead = self._launch(nursery, plan, [Planned(SeqView.ahead(p.seq), 1, p.new_blocks, True) for p in plan],
-                             after=flight)
+        views = [Planned(SeqView.ahead(p.seq), 1, p.new_blocks, True) for p in plan]
+        # its inputs built here, while the step before it runs (the compute thread only fills in
+        # the tokens that step samples)
+        ahead = self._launch(nursery, plan, views, after=flight, built=self._inputs(views))
         # what the step after this one will draw: these sequences are two tokens further than their state
         ahead.report = [Planned(s, 2, 0, True) for s in going]
         return ahead
