@@ -145,7 +145,8 @@ def replace(reason: str) -> None:
 
 
 async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False, owner: str | None = None,
-              if_abandoned: Callable[[], Callable[[], None]] | None = None) -> T:
+              if_abandoned: Callable[[], Callable[[], None]] | None = None,
+              submitted: Callable[[], None] | None = None) -> T:
     """Runs `fn(*args)` on the compute thread (with the caller's log context) and returns its
     result. Cancelled callers wait for the step to finish unless `abandon_on_cancel`, in which
     case the step finishes unobserved (its result is dropped). `owner` names the caller for the
@@ -155,10 +156,13 @@ async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False, owne
     when the caller gives up on a step that is still queued or running — not when it has returned;
     the callable it returns is called once that step has really finished (on the compute thread,
     after `fn` returned or raised) or was dropped unrun. What the step may still write is guarded
-    between the two (the generator quarantines its blocks)."""
+    between the two (the generator quarantines its blocks).
+
+    `submitted`: called once the step is in the thread's queue (before this first waits), so a
+    caller can queue another step behind it in order (the generator's overlapped steps)."""
     while True:
         try:
-            return await _run_once(fn, args, abandon_on_cancel, owner, if_abandoned)
+            return await _run_once(fn, args, abandon_on_cancel, owner, if_abandoned, submitted)
         except _Dropped:
             continue  # it never ran: nothing to undo, so it runs on the fresh thread
 
@@ -167,11 +171,13 @@ class _Dropped(Exception):
     """A step queued on a compute thread that `replace` abandoned: it never ran."""
 
 
-async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None, if_abandoned=None):
+async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None, if_abandoned=None, submitted=None):
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
     future: Future = _pool().submit(contextvars.copy_context().run, _timed, owner, fn, *args)
     _unfinished.add(future)
+    if submitted is not None:
+        submitted()
 
     def wake(_: Future) -> None:
         _unfinished.discard(future)

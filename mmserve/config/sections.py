@@ -83,6 +83,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True  # on CUDA with a capturable backend, every step that fits a bucket replays a graph
     graph_token_buckets: tuple[int, ...] = ()  # token counts of the mixed-step buckets; (): 16, 32, ... max_batched_tokens
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
+    overlap: bool = True  # step n+1 planned and launched while step n runs (actors.step_overlap); false: serial steps
 
     def __post_init__(self) -> None:
         w = "[runtime]"
@@ -94,6 +95,7 @@ class RuntimeConfig:
             fail(w, "graph_token_buckets", "a list of positive integers (empty: the default buckets)", buckets)
         object.__setattr__(self, "graph_token_buckets", tuple(sorted(set(buckets))))
         check_bool(w, "gc_freeze", self.gc_freeze)
+        check_bool(w, "overlap", self.overlap)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
         check_choice(w, "dtype", self.dtype, ("auto", *DTYPES))

@@ -161,7 +161,7 @@ class Runtime:
                              max_tokens=gen.max_batched_tokens, token_buckets=rt.graph_token_buckets or None)
         runner.kv_budget_from = budget.why  # for the load log line
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
-        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics)
+        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
         manager.generator = generator.inbox_send
         manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
         encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
