@@ -23,7 +23,14 @@ DEVICE = os.environ.get("MMSERVE_TEST_DEVICE", "cpu")
 """The device the runtime fixtures serve on (`MMSERVE_TEST_DEVICE=cuda` on a GPU machine; CI: cpu)."""
 
 
+# The suite's KV arenas are a fixed size (the default before "auto"): answers and preemptions must
+# not depend on the memory this machine has free, and a process holding many runtimes must not
+# reserve half the machine for each (fork, for redis-server or a CLI, then fails with ENOMEM).
+TEST_KV_BUDGET_BYTES = 256 << 20
+
+
 def on_device(config: Config) -> Config:
+    config = config.replace(kv_cache={"budget_bytes": TEST_KV_BUDGET_BYTES})
     return config if DEVICE == "cpu" else config.replace(runtime={"device": DEVICE})
 
 

@@ -37,7 +37,8 @@ def test_a_model_not_loaded_is_503_with_its_state_until_a_request_loads_it(serve
         assert "Retry-After" not in lazy.headers  # only a request for it loads it: no time to come back at
 
         # the embedded runtime agrees: nothing is wrong (requests are admitted), but it is not serving
-        assert server.runtime.health(LAZY).ok and not server.runtime.health(LAZY).serving
+        # embedded as over HTTP: a model not loaded is not ok (issue 44), and not serving
+        assert not server.runtime.health(LAZY).ok and not server.runtime.health(LAZY).serving
 
         chat = {"model": LAZY, "messages": colour_question("red"), "max_tokens": 2, "temperature": 0}
         assert c.post("/v1/chat/completions", json=chat).status_code == 200  # loads it

@@ -15,7 +15,7 @@ from mmserve import Runtime
 from mmserve.config import Config, ModelConfig
 from mmserve.errors import BadRequest
 from mmserve.models.demo import render_image
-from mmserve.runtime.sizing import checkpoint_dtype, choose_dtype, kv_budget
+from mmserve.runtime.sizing import CPU_AUTO_MAX_BYTES, checkpoint_dtype, choose_dtype, kv_budget
 from tests.conftest import on_device
 from tests.helpers import ask
 
@@ -54,13 +54,18 @@ def test_auto_budget_is_a_fraction_of_what_is_left_capped_at_full_contexts():
     capped = kv_budget(config, "cpu", block, context_tokens=1024, left=64 << 30)
     assert capped.value == 4 * 64 * block and "max_running_requests" in capped.why
     assert kv_budget(config, "cpu", block, 1024, left=0).value == block  # at least one block
+    # on the CPU at most CPU_AUTO_MAX_BYTES (RAM is shared with the host); a GPU's fraction is its own
+    roomy = config.replace(generator={"max_running_requests": 4096})
+    ram = kv_budget(roomy, "cpu", block, context_tokens=1024, left=64 << 30)
+    assert ram.value == CPU_AUTO_MAX_BYTES and "on the CPU" in ram.why
     fixed = config.replace(kv_cache={"budget_bytes": 12345})
     assert kv_budget(fixed, "cpu", block, 1024, left=64 << 30).value == 12345
 
 
 async def test_the_implied_default_loads_at_start_and_the_load_says_what_it_chose(tiny_model_dir):
     # one [[models]] table without `default = true`: the default all the same, loaded at start
-    config = on_device(Config(models=(ModelConfig("tiny", str(tiny_model_dir)),)))
+    config = on_device(Config(models=(ModelConfig("tiny", str(tiny_model_dir)),))).replace(
+        kv_cache={"budget_bytes": "auto"})  # the defaults (the suite fixes its arenas' size)
     assert config.runtime.dtype == "auto" and config.kv_cache.budget_bytes == "auto"
     with structlog.testing.capture_logs() as logs:
         async with Runtime.open(config) as rt:

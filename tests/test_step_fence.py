@@ -147,7 +147,7 @@ async def test_compute_guards_an_abandoned_step_until_it_ends_or_is_dropped_unru
     assert await compute.run(time.sleep, 0, abandon_on_cancel=True, if_abandoned=guard("quick")) is None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(lambda: compute.run(gate.wait, 10, abandon_on_cancel=True, if_abandoned=guard("running")))
-        await wait_until(lambda: compute.busy_for() > 0, 5, what="the step running")
+        await wait_until(lambda: compute.quiet_for() > 0, 5, what="the step running")
         nursery.start_soon(lambda: compute.run(time.sleep, 0, abandon_on_cancel=True, if_abandoned=guard("queued")))
         await trio.sleep(0.05)
         nursery.cancel_scope.cancel()

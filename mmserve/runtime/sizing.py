@@ -16,6 +16,10 @@ from mmserve.config import DTYPES, Config
 
 AUTO = "auto"
 FALLBACK_BUDGET_BYTES = 256 * 1024 * 1024  # where the memory left cannot be read (mps)
+# On the CPU the arena shares RAM with everything else the host runs (and every process it forks
+# commits as much again): "auto" takes at most this, as vLLM's CPU backend does (VLLM_CPU_KVCACHE_SPACE,
+# 4 GiB by default). A GPU's memory is the server's own: there the fraction alone decides.
+CPU_AUTO_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,8 @@ def kv_budget(config: Config, device: str, block_bytes: int, context_tokens: int
               left: int | None = None) -> Choice:
     """`[kv_cache] budget_bytes`: as set, or for "auto" `[kv_cache] memory_fraction` of the memory
     left on the device once the model's weights are in (read when the model has loaded), capped at
-    what `[generator] max_running_requests` sequences of `context_tokens` each can use, and at
-    least one block."""
+    what `[generator] max_running_requests` sequences of `context_tokens` each can use (and on the
+    CPU at `CPU_AUTO_MAX_BYTES`), and at least one block."""
     kv = config.kv_cache
     if kv.budget_bytes != AUTO:
         return Choice(kv.budget_bytes, "[kv_cache] budget_bytes")
@@ -98,13 +102,18 @@ def kv_budget(config: Config, device: str, block_bytes: int, context_tokens: int
         return Choice(FALLBACK_BUDGET_BYTES, f"auto: the free memory of {device} cannot be read; "
                                              f"{FALLBACK_BUDGET_BYTES >> 20} MiB")
     share = int(left * kv.memory_fraction)
+    if torch.device(device).type == "cpu" and share > CPU_AUTO_MAX_BYTES:
+        share = CPU_AUTO_MAX_BYTES
+        capped_by = f"auto: at most {CPU_AUTO_MAX_BYTES >> 30} GiB on the CPU"
+    else:
+        capped_by = None
     blocks_per_seq = -(-context_tokens // kv.block_size)
     cap = config.generator.max_running_requests * blocks_per_seq * block_bytes
     if cap < share:
         return Choice(cap, f"auto: {config.generator.max_running_requests} sequences "
                            f"([generator] max_running_requests) of {context_tokens} tokens")
-    return Choice(max(share, block_bytes), f"auto: [kv_cache] memory_fraction = {kv.memory_fraction:g} of "
-                                           f"{left / 2**30:.1f} GiB left on {device} after the weights")
+    return Choice(max(share, block_bytes), capped_by or f"auto: [kv_cache] memory_fraction = "
+                  f"{kv.memory_fraction:g} of {left / 2**30:.1f} GiB left on {device} after the weights")
 
 
 def context_tokens(config: Config, adapter) -> int:
