@@ -2,7 +2,7 @@
 
 Who goes first is a **rank** (`Ranking`): a request's effective priority (its `priority`, lower
 first as vLLM's, improved by one level for every `aging_s` seconds since it arrived), then its
-arrival order. With every priority equal (the default, 0) the rank is the arrival order, and
+arrival (at the runtime; then at the generator: `order`). With every priority equal (the default, 0) the rank is the arrival order, and
 everything below reads "oldest" as before; "oldest" means "best ranked", "newest" "worst ranked".
 Aging bounds every wait: a request of priority p ranks ahead of every request of priority q that
 arrives (p - q) × aging_s seconds or more after it (the effective priorities are then equal at
@@ -82,8 +82,10 @@ class Ranking:
         waited = self.now - getattr(seq, "arrived", self.now)
         return own - int(max(0.0, waited) // self.aging_s)
 
-    def key(self, seq: Schedulable) -> tuple[int, int]:
-        return self.priority(seq), seq.order
+    def key(self, seq: Schedulable) -> tuple[int, float, int]:
+        """Effective priority, then arrival at the runtime (so the bound above is exact: the order
+        a request reached the generator in need not be the order it arrived in), then `order`."""
+        return self.priority(seq), getattr(seq, "arrived", 0.0), seq.order
 
 
 FIFO = Ranking()  # every priority 0 (no priority attribute): oldest first
@@ -216,7 +218,7 @@ def displaced(decoding: Sequence[Schedulable], prefilling: Sequence[Schedulable]
         if s.request_id in running:
             members.setdefault(s.request_id, []).append(s)
     # a request ranks as its first sequence (its choices share its priority and arrival)
-    ranks = {r: min(ranking.key(s) for s in seqs) for r, seqs in members.items()}
+    ranks = {r: min(ranking.key(s) for s in seqs) for r, seqs in members.items()}  # (priority, arrived, order)
     rows = {r: _rows(seqs[0]) for r, seqs in members.items()}
     count, used = len(running), sum(rows.values())
 
