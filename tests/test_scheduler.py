@@ -265,11 +265,12 @@ def test_decode_tokens_and_prefill_chunks_go_by_rank():
 def test_aging_improves_a_waiting_priority_by_a_level_per_period():
     old_low, new_high = P(0, 0, 30, 0, priority=2, arrived=0.0), P(1, 0, 30, 0, priority=0, arrived=1.0)
     assert Ranking(now=1.5, aging_s=1.0).priority(old_low) == 1
-    # at 2.5 s: 2 - 2 = 0 ties with the new one's 0 - 1 = -1? no: the new one aged a level too
+    # at 2.5 s it is at 0, the newer one (arrived at 1 s) at -1: the newer one still goes first
     assert Ranking(now=2.5, aging_s=1.0).key(old_low) > Ranking(now=2.5, aging_s=1.0).key(new_high)
-    # a request of priority q arriving (p - q) × aging_s or more after it never ranks ahead of it
-    later = P(2, 0, 30, 0, priority=0, arrived=2.0)
-    for now in (2.0, 2.3, 2.99, 3.0, 7.7):
+    # a request of priority q arriving (p - q + 1) × aging_s or more after it never ranks ahead of
+    # it, whatever order the two reached the generator in
+    later = P(-1, 0, 30, 0, priority=0, arrived=3.0)
+    for now in (3.0, 3.3, 3.99, 4.0, 7.7):
         r = Ranking(now=now, aging_s=1.0)
         assert r.key(old_low) < r.key(later)
         assert planned(plan_step([], [later, old_low], 16, 1000, max_running=1, ranking=r)) == [old_low]

@@ -249,7 +249,7 @@ class GeneratorConfig:
     max_running_requests: int = 256  # requests running at once (n choices count once); more wait, by priority then age
     lookup_timeout_s: float = 2.0  # a KV-cache answer slower than this is treated as a miss (or a skipped step)
     # a request's effective priority improves by one level per this many seconds since it arrived:
-    # a request of priority p ranks ahead of any of priority q arriving (p - q) × this later (no starvation)
+    # a request of priority p ranks ahead of any of priority q arriving (p - q + 1) × this later (no starvation)
     priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:

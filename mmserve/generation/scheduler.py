@@ -1,17 +1,20 @@
 """The token-budget scheduler: what one forward carries, and who is admitted to run.
 
 Who goes first is a **rank** (`Ranking`): a request's effective priority (its `priority`, lower
-first as vLLM's, improved by one level for every `aging_s` seconds since it arrived), then its
-arrival (at the runtime; then at the generator: `order`). With every priority equal (the default, 0) the rank is the arrival order, and
-everything below reads "oldest" as before; "oldest" means "best ranked", "newest" "worst ranked".
-Aging bounds every wait: a request of priority p ranks ahead of every request of priority q that
-arrives (p - q) × aging_s seconds or more after it (the effective priorities are then equal at
-worst, and the older goes first), so only finitely many requests ever pass it.
+first as vLLM's, improved by one level for every `aging_s` seconds since it arrived at the
+runtime), then its arrival order at the generator (`order`). With every priority equal (the
+default, 0) the rank is the arrival order, and everything below reads "oldest" as before;
+"oldest" means "best ranked", "newest" "worst ranked". Aging bounds every wait: a request of
+priority p ranks ahead of every request of priority q that arrives (p - q + 1) × aging_s seconds or
+more after it (its effective priority is then strictly better, whatever order the two reached the
+generator in), so only finitely many requests ever pass it.
 
 Admission is state the scheduler keeps, not a side effect of holding KV blocks. A sequence is
 *admitted* (running) the first time a step plans it and stays admitted until it ends. A
 preempted sequence keeps its admission: its blocks are given back, but it is the first to be
-prefilled again — before any waiting sequence is admitted. At most `max_running` **requests**
+prefilled again — before any waiting sequence is admitted — unless it was *displaced*: put back in
+the queue, blocks and admission, to make room for a waiting request of a strictly better
+priority (`displaced`). At most `max_running` **requests**
 are admitted at once: the n choices of one request count as one (they share its prompt's blocks
 and its one prefill; a forked choice belongs to its parent's request). Waiting sequences are
 admitted strictly oldest first (by `order`): a younger one — a cache hit that arrives holding
@@ -82,10 +85,10 @@ class Ranking:
         waited = self.now - getattr(seq, "arrived", self.now)
         return own - int(max(0.0, waited) // self.aging_s)
 
-    def key(self, seq: Schedulable) -> tuple[int, float, int]:
-        """Effective priority, then arrival at the runtime (so the bound above is exact: the order
-        a request reached the generator in need not be the order it arrived in), then `order`."""
-        return self.priority(seq), getattr(seq, "arrived", 0.0), seq.order
+    def key(self, seq: Schedulable) -> tuple[int, int]:
+        """Effective priority, then `order` (arrival at the generator): with equal priorities,
+        exactly today's oldest-first order, decode rows included."""
+        return self.priority(seq), seq.order
 
 
 FIFO = Ranking()  # every priority 0 (no priority attribute): oldest first
@@ -218,7 +221,7 @@ def displaced(decoding: Sequence[Schedulable], prefilling: Sequence[Schedulable]
         if s.request_id in running:
             members.setdefault(s.request_id, []).append(s)
     # a request ranks as its first sequence (its choices share its priority and arrival)
-    ranks = {r: min(ranking.key(s) for s in seqs) for r, seqs in members.items()}  # (priority, arrived, order)
+    ranks = {r: min(ranking.key(s) for s in seqs) for r, seqs in members.items()}  # (priority, order)
     rows = {r: _rows(seqs[0]) for r, seqs in members.items()}
     count, used = len(running), sum(rows.values())
 
