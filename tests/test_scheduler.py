@@ -246,7 +246,8 @@ class P(S):
 
 
 def test_a_later_request_of_a_better_priority_is_admitted_first():
-    early_low, later_high, later_low = P(0, 0, 30, 0, priority=3), P(1, 0, 30, 0, priority=-1), P(2, 0, 30, 0, priority=3)
+    early_low, later_high = P(0, 0, 30, 0, priority=3), P(1, 0, 30, 0, priority=-1)
+    later_low = P(2, 0, 30, 0, priority=3)
     ranking = Ranking(now=0.0, aging_s=10.0)
     plan = plan_step([], [early_low, later_low, later_high], 16, 1000, max_running=1, ranking=ranking)
     assert planned(plan) == [later_high]

@@ -34,6 +34,8 @@ drops those). Resume and Fork stay round trips (they are not per step); the repo
 
 from __future__ import annotations
 
+import time
+
 import trio
 
 from mmserve.actors.grant_book import RESERVE_SHARE, RESERVE_SLACK, GrantBook, whole_spans
@@ -41,11 +43,13 @@ from mmserve.actors.messages import Draw, Refill, Release, Resume, Resumed, Step
 from mmserve.actors.prompt_scores import scored_blocks
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.errors import ServiceUnavailable
-from mmserve.generation.scheduler import Planned, blocks_for, fit_chunk, newest
+from mmserve.generation.scheduler import FIFO, Planned, Ranking, blocks_for, displaced, fit_chunk, newest
 
 class BlockGrants:
     """Generator methods: drawing a plan's blocks from the reservation, the step report, refills,
-    preemption, resumes, manager epochs."""
+    preemption (for blocks, and for a better priority), resumes, manager epochs."""
+
+    ranking: Ranking = FIFO  # who goes first (priority, aged, then arrival): set by each plan
 
     @property
     def grants(self) -> GrantBook:
@@ -276,6 +280,17 @@ class BlockGrants:
         prefix) before any running one. None when no other sequence holds a block."""
         holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table]
         return newest([s for s in holders if not s.admitted], self.ranking) or newest(holders, self.ranking)
+
+    def _make_room(self) -> None:
+        """Fixes this step's ranking, then puts admitted requests of a worse priority back in the
+        queue when the best-ranked waiting request finds no room (`scheduler.displaced`)."""
+        self.ranking = Ranking(time.monotonic(), self.config.priority_aging_s)
+        decoding = [s for s in self.seqs if s.state is SeqState.DECODING]
+        prefilling = [s for s in self.seqs if s.state is SeqState.PREFILLING]
+        out = displaced(decoding, prefilling, self.config.max_batched_tokens, self.config.max_running_requests,
+                        self.ranking)
+        if out:
+            self._displace(out)
 
     def _displace(self, requests) -> None:
         """Puts the admitted `requests` back in the queue for a waiting request of a better

@@ -39,7 +39,7 @@ from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.step_sampling import sample_rows_and
-from mmserve.generation.scheduler import FIFO, Planned, Ranking, displaced, never_fits, plan_step
+from mmserve.generation.scheduler import Planned, never_fits, plan_step
 from mmserve.models.adapter import Adapter
 from mmserve.generation.runner import ModelRunner, StepInputs
 from mmserve.models.paged import Segment
@@ -61,7 +61,6 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
         self.config = config
         self.metrics = metrics
         self.seqs: list[Sequence] = []  # every live sequence, oldest first
-        self.ranking = FIFO  # who goes first (priority, aged, then age): set by each plan, read by the grants
         # a sequence longer than the arena could never run again after a preemption: it ends there
         self.max_positions = runner.max_positions
         self._image_token = torch.tensor([adapter.image_token_id])
@@ -268,18 +267,11 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
 
     def _plan(self) -> list[Planned]:
         """The next step's plan (`plan_step`); every sequence in it is admitted (running) from now
-        until it ends, a preemption included: at most `max_running_requests` requests at once. A
-        waiting request of a better priority first puts running ones of a worse priority back in
-        the queue when there is no room for it (`displaced`, `_displace`)."""
-        self.ranking = Ranking(time.monotonic(), self.config.priority_aging_s)  # this step's order
+        until it ends, a preemption included: at most `max_running_requests` requests at once —
+        after making room for a waiting request of a better priority (`_make_room`)."""
+        self._make_room()
         decoding = [s for s in self.seqs if s.state is SeqState.DECODING]
         prefilling = [s for s in self.seqs if s.state is SeqState.PREFILLING]
-        out = displaced(decoding, prefilling, self.config.max_batched_tokens, self.config.max_running_requests,
-                        self.ranking)
-        if out:
-            self._displace(out)
-            decoding = [s for s in self.seqs if s.state is SeqState.DECODING]
-            prefilling = [s for s in self.seqs if s.state is SeqState.PREFILLING]
         plan = plan_step(decoding, prefilling, self.block_size, self.config.max_batched_tokens,
                          self.config.max_running_requests, self.ranking)
         for p in plan:
