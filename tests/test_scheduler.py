@@ -310,8 +310,10 @@ def reference_rank_admissions(live: list[P], max_running: int, ranking: Ranking)
     """Who is admitted this step with an ample token budget: the waiting sequences by rank, as long
     as their requests fit beside the running ones (head of line)."""
     running = {s.request_id for s in live if s.admitted}
+    waiting = [s for s in live if not s.admitted and s.request_id not in running]
+    first = {r: min(ranking.key(s) for s in waiting if s.request_id == r) for r in {s.request_id for s in waiting}}
     admitted = []
-    for s in sorted((s for s in live if not s.admitted and s.request_id not in running), key=ranking.key):
+    for s in sorted(waiting, key=lambda s: (first[s.request_id], ranking.key(s))):  # a request's choices together
         if s.request_id not in running and len(running) >= max_running:
             break
         running.add(s.request_id)
@@ -369,7 +371,10 @@ def test_priority_admission_against_a_reference(data, max_running, budget, ample
                 p.seq.admitted = True
             new = [s for s in live if s.admitted and id(s) not in was]
             assert len({s.request_id for s in live if s.admitted}) <= max_running
+            running_before = {s.request_id for s in live if id(s) in was}
             for s in new:
+                if s.request_id in running_before:
+                    continue  # a choice of a running request (forked, or displaced with it) runs with it
                 assert all(o.admitted or o.request_id == s.request_id for o in live
                            if ranking.key(o) < ranking.key(s)), "admitted while a better-ranked one waits"
             if ample:

@@ -131,7 +131,11 @@ def plan_step(decoding: Sequence[Schedulable], prefilling: Sequence[Schedulable]
         if chunk > 0:
             plan.append(_planned(seq, chunk, block_size, decode=False))
             budget -= chunk
-    for seq in sorted(waiting, key=rank):
+    # a request's waiting sequences go together, at its best rank (the choices of a displaced request)
+    first = {}
+    for seq in waiting:
+        first[seq.request_id] = min(first.get(seq.request_id, rank(seq)), rank(seq))
+    for seq in sorted(waiting, key=lambda s: (first[s.request_id], rank(s))):
         if budget <= 0 or (seq.request_id not in running and (
                 len(running) >= max_running or (running and used + _rows(seq) > max_batched_tokens))):
             break  # head of line: nobody younger is admitted before it
