@@ -119,7 +119,7 @@ class BlockGrants:
         need = sum(p.new_blocks for p in stuck if p.decode) if decode else \
             max(1, oldest_p.new_blocks - len(g.reserve))
         while need > 0:
-            victim = self._newest_holder(spare=None if decode else oldest)
+            victim = self._newest_holder(spare=None if decode else oldest, below=younger)
             if victim is None or (younger is not None and rank(victim) <= younger):
                 break  # (with no victim left, lookups pin the blocks for now)
             others = {b for s in self.seqs if s is not victim and s.state in LIVE for b in s.table}
@@ -274,11 +274,13 @@ class BlockGrants:
 
     # -- preemption, resumes, epochs -----------------------------------------------------------
 
-    def _newest_holder(self, spare: Sequence | None = None) -> Sequence | None:
+    def _newest_holder(self, spare: Sequence | None = None, below: tuple | None = None) -> Sequence | None:
         """The sequence to preempt: the newest (worst ranked: lowest priority, newest among equals)
-        holding blocks (not `spare`) — one still waiting for admission (a hit holding its pinned
-        prefix) before any running one. None when no other sequence holds a block."""
-        holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table]
+        holding blocks (not `spare`; ranked below `below` when given) — one still waiting for
+        admission (a hit holding its pinned prefix) before any running one. None when no other
+        sequence holds a block."""
+        holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table
+                   and (below is None or self.ranking.key(s) > below)]
         return newest([s for s in holders if not s.admitted], self.ranking) or newest(holders, self.ranking)
 
     def _make_room(self) -> None:
