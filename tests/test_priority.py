@@ -15,7 +15,7 @@ import trio
 
 from mmserve import Runtime
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
-from tests.helpers import ask, assert_nothing_held, wait_until
+from tests.helpers import ServerThread, ask, assert_nothing_held, wait_until
 
 BLOCKS = 12  # of 8 tokens: 96 tokens of KV (as tests/test_preemption.py): two answers below never fit together
 LONG = ask(render_image("green", "circle", background="white", seed=42), Q_SHAPE)
@@ -189,8 +189,9 @@ async def test_aging_bounds_the_wait_of_a_low_priority_request_under_a_stream_of
 
 
 @pytest.fixture(scope="module")
-def client(demo_server):
-    return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(demo_config):
+    with ServerThread(demo_config) as server:  # its own: the shared one's state stays as other modules expect
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_priority_is_accepted_on_every_route(client):
