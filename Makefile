@@ -7,17 +7,22 @@ STAMP_DEV := $(VENV)/.installed-dev
 
 .PHONY: serve test install install-dev train-demo clean redis-server
 
+# pip runs --quiet (its resolver output is noise here), so each long step says first what it does:
+# a fresh install is silent for over a minute otherwise.
 $(BIN)/python:
+	@echo "creating $(VENV) and upgrading pip in it ..."
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 # torch is pinned first and alone: its CPU wheel is on local disk; any other spec may pull CUDA.
 $(STAMP): $(BIN)/python pyproject.toml
+	@echo "installing torch and mmserve into $(VENV) (about 1.2 GB: about a minute from a local wheel cache, several when pip downloads) ..."
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
 $(STAMP_DEV): $(STAMP)
+	@echo "installing the dev extra into $(VENV) (about 1 GB more, triton included: about a minute) ..."
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 

@@ -183,6 +183,11 @@ def _trace(args: argparse.Namespace) -> int:
     from mmserve.trace import main as trace
 
     if args.log == "-":
+        if sys.stdin.isatty():  # nothing piped in: waiting would look like a hang
+            from mmserve.trace import JSON_HINT
+
+            print(f"mmserve trace: no log given (--log FILE, or pipe one in); {JSON_HINT}", file=sys.stderr)
+            return 2
         return trace(args.request_id, sys.stdin, args.json)
     with open(args.log, encoding="utf-8", errors="replace") as f:
         return trace(args.request_id, f, args.json)

@@ -12,8 +12,9 @@ as it is. Two set-ups:
   alone whatever the host has configured. If structlog is not configured, it is configured to
   hand events to `logging`. If the `mmserve` logger has no level, it gets `[logging] level`. A
   handler on `mmserve` writes to stderr only while the host has no handler of its own (on the
-  root logger or on `mmserve`): once it has one, the events go to the host's handlers, at the
-  host's levels. Nothing is ever written to stdout, and the root logger is never touched.
+  root logger or on `mmserve`), and then only warnings and errors unless `[logging]
+  embedded_verbose` (a library is quiet unless asked): once the host has a handler, the events go
+  to the host's handlers, at the host's levels. Nothing is ever written to stdout, and the root logger is never touched.
 """
 
 from __future__ import annotations
@@ -195,9 +196,11 @@ def configure_logging(format: str = "json", level: str = "info", stream: TextIO 
     _mode, _default_level = "explicit", None
 
 
-def use_default_logging(format: str = "json", level: str = "info") -> None:
+def use_default_logging(format: str = "json", level: str = "info", verbose: bool = False) -> None:
     """`[logging]` as a default under a host program's own configuration (see the module's
-    docstring); does nothing after `configure_logging`."""
+    docstring); does nothing after `configure_logging`. Without `verbose` (`[logging]
+    embedded_verbose`), the stderr handler used while the host has none writes warnings and errors
+    only: a library is quiet unless asked (the host's own handlers still get every event)."""
     global _mode, _default_level
     if _mode == "explicit":
         return
@@ -209,8 +212,11 @@ def use_default_logging(format: str = "json", level: str = "info") -> None:
     if logger.level == logging.NOTSET or logger.level == _default_level:  # never a level the host set
         _default_level = _level(level)
         logger.setLevel(_default_level)
-    if not any(isinstance(h, _Handler) for h in logger.handlers):
-        logger.addHandler(_Handler(defer=True))
+    handler = next((h for h in logger.handlers if isinstance(h, _Handler)), None)
+    if handler is None:
+        handler = _Handler(defer=True)
+        logger.addHandler(handler)
+    handler.setLevel(logging.NOTSET if verbose else logging.WARNING)
     _mode = "default"
 
 

@@ -5,6 +5,8 @@
 #                              bash scripts/gpu-run.sh bench     # mmserve bench --params gpu (~6 min)
 #                              bash scripts/gpu-run.sh probe     # which decode-graph captures fail, and when (~1 min)
 #                              bash scripts/gpu-run.sh smoke     # a 4-token llava-7b bench: the machinery only
+#                              bash scripts/gpu-run.sh check     # after runner changes, <= 4 min: capture tests, probe,
+#                                                                # the multi-turn and absolute (prefill per token count) scenarios
 # Try it here first with OUT=/tmp/out DEVICE=cpu (the tests part runs on the CPU then).
 set -uo pipefail
 OUT=${OUT:?set OUT (the device tool sets it)}
@@ -37,5 +39,13 @@ case "$what" in
     timeout 300 $PY -m mmserve.cli bench --params test --preset llava-7b --device "$DEVICE" --dtype bfloat16 \
       --scenarios decode,concurrency --out "$OUT/smoke" > "$OUT/smoke.log" 2>&1
     tail -20 "$OUT/smoke.log" ;;
-  *) echo "usage: scripts/gpu-run.sh [all|tests|bench|probe|smoke]" >&2; exit 2 ;;
+  check)
+    MMSERVE_TEST_DEVICE=$DEVICE timeout 70 $PY -m pytest tests/test_runner_capture.py -q -p no:cacheprovider \
+      > "$OUT/pytest-capture-$DEVICE.txt" 2>&1
+    tail -12 "$OUT/pytest-capture-$DEVICE.txt"
+    timeout 40 $PY scripts/gpu_capture_probe.py > "$OUT/capture-probe.txt" 2>&1; tail -24 "$OUT/capture-probe.txt"
+    timeout 120 $PY -m mmserve.cli bench --params gpu --device "$DEVICE" --scenarios multiturn,absolute \
+      --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+    tail -3 "$OUT/bench.log"; grep -E "^\| (3|10) " "$OUT/bench/report.md" 2>/dev/null || tail -c 1500 "$OUT/bench/partial.json" ;;
+  *) echo "usage: scripts/gpu-run.sh [all|tests|bench|probe|smoke|check]" >&2; exit 2 ;;
 esac

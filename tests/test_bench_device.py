@@ -14,7 +14,7 @@ from mmserve.bench import PARAMS, run_bench
 from mmserve.bench.baselines import SuffixPrefill, hf_baseline, release_device_memory, sync
 from mmserve.bench.context import Bench
 from mmserve.bench.model import MARKER, default_model_dir, ensure_model, uses_random_weights
-from mmserve.bench.params import CUDA_KV_BUDGET_MIB
+from mmserve.bench.params import CPU_KV_BUDGET_MIB, CUDA_KV_BUDGET_MIB
 from mmserve.bench.servers import bench_config, config_toml
 from mmserve.cli import build_parser, device_options, main as cli
 from mmserve.config import load_config
@@ -77,7 +77,7 @@ def test_bench_params_plumb_into_its_configs(tmp_path):
     config = Bench(params, model, tmp_path, note=lambda _: None).config(prefix=False)
     assert (config.runtime.device, config.runtime.dtype) == ("cuda:1", "float16")
     assert config.kv_cache.budget_bytes == CUDA_KV_BUDGET_MIB << 20 and not config.kv_cache.prefix_caching
-    assert PARAMS["test"].kv_budget_bytes() is None
+    assert PARAMS["test"].kv_budget_bytes() == CPU_KV_BUDGET_MIB << 20  # fixed: runs compare
     assert replace(params, kv_budget_mib=100).kv_budget_bytes() == 100 << 20
 
 

@@ -59,10 +59,16 @@ def test_right_of_the_target_is_met_for_every_row_of_the_baseline_run():
 def test_load_warning_is_on_the_image_header():
     report = json.loads(BASELINE.read_text())
     lines, warning = _header_lines(report["meta"])
-    assert not warning and "no oversubscription seen" in " ".join(lines)
-    meta = copy.deepcopy(report["meta"]) | {"thread_probe_end": {"matmul_ms_1_threads": 0.2, "matmul_ms_2_threads": 1.1}}
+    quiet = copy.deepcopy(report["meta"]) | {"cpu_count": 2, "loadavg_start": [1.0, 1, 1], "loadavg_end": [2.5, 1, 1]}
+    lines, warning = _header_lines(quiet)
+    assert not warning and "the machine was quiet" in " ".join(lines)
+    meta = copy.deepcopy(quiet) | {"thread_probe_end": {"matmul_ms_1_threads": 0.2, "matmul_ms_2_threads": 1.1}}
     lines, warning = _header_lines(meta)
     assert warning and "oversubscribed" in " ".join(lines) and "6x" in " ".join(lines)
+    # the probe matmul saw nothing, but other processes kept the 2 CPUs busy (load average 4)
+    busy = quiet | {"loadavg_end": [4.0, 3.5, 3.0]}
+    lines, warning = _header_lines(busy)
+    assert warning and "the machine was busy" in " ".join(lines) and "4.0 on 2 CPUs" in " ".join(lines)
 
 
 def test_replot_renders_a_saved_report(tmp_path):
@@ -77,3 +83,20 @@ def test_plot_without_targets_or_scenarios(tmp_path):
     report["summary"], report["scenarios"] = [], {}
     plot(report, tmp_path / "empty.png")
     assert (tmp_path / "empty.png").read_bytes()[:8] == PNG
+
+
+def test_the_progress_bars_eta_after_the_first_scenario_is_right_within_30_percent():
+    """The bar advances by each scenario's weight: after the first scenario its ETA is the rest's
+    weight at the first one's pace. Checked against the recorded runs (quick on a CPU, an H200's)."""
+    from mmserve.bench.params import ALL_SCENARIOS
+    from mmserve.bench.run import SCENARIO_WEIGHTS, scenario_weight
+
+    assert set(SCENARIO_WEIGHTS) == set(ALL_SCENARIOS)  # a new scenario gets its weight
+    results = BASELINE.parent.parent
+    for run in ("2026-11-25-quick-before", "2026-11-26-quick-session-after", "2026-11-27-gpu-h200-run3"):
+        scenarios = json.loads((results / run / "report.json").read_text())["scenarios"]
+        names = list(scenarios)
+        first = scenarios[names[0]]["duration_s"]
+        predicted = first * sum(scenario_weight(n) for n in names[1:]) / scenario_weight(names[0])
+        actual = sum(scenarios[n]["duration_s"] for n in names[1:])
+        assert abs(predicted - actual) <= 0.3 * actual, (run, predicted, actual)

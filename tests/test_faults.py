@@ -106,7 +106,7 @@ def test_http_health_and_sse_error_on_a_crash(tiny_config):
             assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2] and "stalled" in lines[-2]
             wait_until_sync(lambda: c.get("/health").status_code == 200, what="/health 200 after the restart")
             ok = c.post("/v1/chat/completions", json={"messages": colour_question("red"), "max_tokens": 2})
-            assert ok.status_code == 200
+            assert ok.status_code == 200, ok.text
         finally:
             os.environ.pop("MMSERVE_FAULT_HANG_S", None)
 

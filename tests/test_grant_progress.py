@@ -91,6 +91,7 @@ class Grants(BlockGrants):
 
     _plan = Generator._plan
     _release = Generator._release
+    _hold_release = Generator._hold_release  # (serial steps here: no step is in flight)
 
     def __init__(self, manager: PrefixCacheManager, config: GeneratorConfig, block_size: int, late: bool = False):
         self.cache_manager = LateInbox(manager.inbox_send) if late else manager.inbox_send
@@ -101,6 +102,7 @@ class Grants(BlockGrants):
         self.seqs: list[Seq] = []
         self.log = get_logger("generator")
         self.metrics, self.preemptions, self.resumed_blocks = None, 0, 0
+        self._flying = {}
 
     def _fail(self, seq, exc, stage):  # (only a dead manager life fails a sequence: none here)
         raise AssertionError(f"{seq.request_id} failed in {stage}: {exc}")

@@ -4,6 +4,7 @@ backoff that forgets old faults. The server-process side (signals) is in test_se
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -83,13 +84,16 @@ async def test_leaving_the_runtime_block_drains(tiny_config):
     assert outcome["error"].code == "shutdown" and time.monotonic() - t0 < 0.3 + 2
 
 
-def _two_models(demo_config, **supervisor):
-    return demo_config.replace(supervisor={"stall_timeout_s": 0.5, "restart_backoff_s": 0.05, **supervisor})
+def _two_models(demo_config, eager: bool = False, **supervisor):
+    # eager: both loaded at start (one model's health is ok only while it serves, as GET /health?model=)
+    models = tuple(dataclasses.replace(m, load="eager") if eager else m for m in demo_config.models)
+    return demo_config.replace(models=models,
+                               supervisor={"stall_timeout_s": 0.5, "restart_backoff_s": 0.05, **supervisor})
 
 
 async def test_a_hung_model_is_unhealthy_fast_and_the_other_model_serves_on(demo_config, monkeypatch):
     monkeypatch.setenv("MMSERVE_FAULT_HANG_S", "3")
-    async with Runtime.open(_two_models(demo_config)) as rt:
+    async with Runtime.open(_two_models(demo_config, eager=True)) as rt:
         faults.configure("generator.step=hang@2")  # demo's second decode step hangs
         msgs = colour_question("red")
         outcome = {}
@@ -127,7 +131,7 @@ async def test_a_hung_model_is_unhealthy_fast_and_the_other_model_serves_on(demo
 
 
 async def test_a_crash_of_one_models_actor_never_fails_the_other_model(demo_config):
-    config = _two_models(demo_config, restart_backoff_s=1.0)
+    config = _two_models(demo_config, eager=True, restart_backoff_s=1.0)
     async with Runtime.open(config) as rt:
         faults.configure("generator.step=raise@2")
         with pytest.raises(ServiceUnavailable):

@@ -228,9 +228,16 @@ def test_padding_rows_write_only_the_spare_block(adapter):
     Conversations(runner, [9, 14], seed=6)
     before = [t.clone() for t in (*runner.kv.keys, *runner.kv.values)]
     with torch.inference_mode():
-        # as at load: every bucket captured on padding rows (warm-ups included; nothing off CUDA)
-        every = len(runner.buckets) + len(runner.token_buckets)
-        assert runner.capture() == (every if DEVICE == "cuda" else 0), runner.failed_captures
+        # as at load: every bucket captured on padding rows (warm-ups included; nothing off CUDA).
+        # The conversations' own steps may have captured a bucket already, on first use (seen on
+        # an H200: 6 of 7 left to capture), so count what is captured, not what this call adds.
+        captured = runner.capture()
+        if DEVICE == "cuda":
+            assert not runner.failed_captures, runner.failed_captures
+            assert set(runner.graphs.graphs) == set(runner.buckets)
+            assert set(runner.mixed_graphs.graphs) == set(runner.token_buckets)
+        else:
+            assert captured == 0
         for bucket in runner.buckets:
             runner.buffers.clear(bucket)
             assert torch.isfinite(runner.graphs.run(bucket)).all()

@@ -7,6 +7,7 @@ of steps with no forks or resumes (lookups are intake's, not the generator's).""
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from mmserve import Runtime
@@ -16,8 +17,9 @@ from tests.helpers import assert_nothing_held
 PROMPTS = ["what colour is the sky", "name a shape", "count to three"]
 
 
-async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_config):
-    async with Runtime.open(demo_config) as rt:
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_config, overlap):
+    async with Runtime.open(demo_config.replace(runtime={"overlap": overlap})) as rt:
         generator = rt.registry.require("demo").generator
         sent, received = [], []  # (step, in a step round, message) / (step, message)
         reserve_at = {}  # report number -> the generator's reserve when it was sent
@@ -68,8 +70,10 @@ async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_
     # step's draws, which a late refill under load can leave it) an ask for blocks — never nothing
     empty = [m for _, m in in_steps if not m.entries and not m.hints]
     assert all(m.want > reserve_at[m.number] for m in empty), [(m, reserve_at[m.number]) for m in empty]
-    # most steps change nothing (a decode token inside a block it holds): they send nothing
-    assert steps >= 40 and len(in_steps) <= steps // 3, (steps, len(in_steps))
+    # most steps change nothing (a decode token inside a block it holds): they send nothing. With
+    # overlap a block's draw (for the step launched ahead) goes a report before the commit of the
+    # block before it (once the step in flight has filled it): two reports where serial steps send one
+    assert steps >= 40 and len(in_steps) <= steps // (2 if overlap else 3), (steps, len(in_steps))
     # outside steps: asking for the first blocks (the reserve is empty when idle), giving them back at the end
     assert len(sent) - len(in_steps) <= 3, [(s, m.entries, m.want) for s, inside, m in sent if not inside]
     assert any(isinstance(e, Draw) for _, m in in_steps for e in m.entries)

@@ -60,3 +60,38 @@ def test_the_cli_takes_the_completion_id(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "request.received" in proc.stdout and "request.finished" in proc.stdout
+
+
+def test_a_console_format_log_is_named_with_how_to_write_json(tmp_path, capsys):
+    console = "".join(f"2026-11-25T10:00:00.00{i}Z [info     ] request.received    request_id={RID}\n"
+                      for i in range(3))
+    assert trace(RID, io.StringIO(console)) == 2
+    err = capsys.readouterr().err
+    assert "console format" in err and "--log-format json" in err and "2> mmserve.log" in err
+
+
+def test_a_terminal_stdin_is_refused_with_a_hint_not_waited_on():
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mmserve.cli", "trace", RID], stdin=follower,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert proc.returncode == 2 and "--log FILE" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_a_closed_pipe_ends_it_quietly(tmp_path):
+    log = tmp_path / "server.log"
+    step = {"event": "generator.step", "request_ids": [RID], "actor": "generator", "level": "info"}
+    log.write_text("".join(json.dumps({**step, "n": i, "timestamp": f"2026-11-25T10:00:{i // 1000:02d}.{i % 1000:03d}Z"})
+                           + "\n" for i in range(3000)))  # far more than a pipe's buffer of output
+    proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "trace", RID, "--json", "--log", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()  # `| head -1`
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err

@@ -37,6 +37,7 @@ _executor: ThreadPoolExecutor | None = None
 _threads = 0  # torch intra-op threads for the compute thread; 0 = torch's default
 _busy_since: float | None = None  # when the step now running started (None: idle)
 _busy_owner: str | None = None  # who submitted it (an actor's supervisor key)
+_last_beat: float = 0.0  # when the step now running last reported progress from inside (`heartbeat`)
 _unfinished: set[Future] = set()  # submitted steps not done yet: queued, taken by the thread, or running
 
 
@@ -84,10 +85,35 @@ def _timed(owner, fn, *args):
         _busy_since = _busy_owner = None
 
 
-def busy_for() -> float:
-    """Seconds the step now running on the compute thread has taken (0 when idle)."""
+def heartbeat() -> None:
+    """Progress from inside a step: a model's layers call this as each one starts (`beat_per_layer`),
+    so a forward that is slow (a vision tower taking minutes on a CPU) is told from one that is
+    hung (no layer starting for the stall limit)."""
+    global _last_beat
+    _last_beat = time.monotonic()
+
+
+def quiet_for() -> float:
+    """Seconds since the step now running started or last reported progress (0 when idle)."""
     since = _busy_since
-    return time.monotonic() - since if since is not None else 0.0
+    return time.monotonic() - max(since, _last_beat) if since is not None else 0.0
+
+
+def beat_per_layer(model: torch.nn.Module) -> int:
+    """Makes each layer of `model` (every element of its `ModuleList`s: the decoder's and the
+    vision tower's blocks) report progress as it starts; a few hooks per forward, next to nothing
+    in time. Returns the number of layers hooked."""
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for layer in module:
+                layer.register_forward_pre_hook(_beat_hook)
+                hooked += 1
+    return hooked
+
+
+def _beat_hook(module, args) -> None:
+    heartbeat()
 
 
 def busy_owner() -> str | None:
@@ -119,7 +145,8 @@ def replace(reason: str) -> None:
 
 
 async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False, owner: str | None = None,
-              if_abandoned: Callable[[], Callable[[], None]] | None = None) -> T:
+              if_abandoned: Callable[[], Callable[[], None]] | None = None,
+              submitted: Callable[[], None] | None = None) -> T:
     """Runs `fn(*args)` on the compute thread (with the caller's log context) and returns its
     result. Cancelled callers wait for the step to finish unless `abandon_on_cancel`, in which
     case the step finishes unobserved (its result is dropped). `owner` names the caller for the
@@ -129,10 +156,13 @@ async def run(fn: Callable[..., T], *args, abandon_on_cancel: bool = False, owne
     when the caller gives up on a step that is still queued or running — not when it has returned;
     the callable it returns is called once that step has really finished (on the compute thread,
     after `fn` returned or raised) or was dropped unrun. What the step may still write is guarded
-    between the two (the generator quarantines its blocks)."""
+    between the two (the generator quarantines its blocks).
+
+    `submitted`: called once the step is in the thread's queue (before this first waits), so a
+    caller can queue another step behind it in order (the generator's overlapped steps)."""
     while True:
         try:
-            return await _run_once(fn, args, abandon_on_cancel, owner, if_abandoned)
+            return await _run_once(fn, args, abandon_on_cancel, owner, if_abandoned, submitted)
         except _Dropped:
             continue  # it never ran: nothing to undo, so it runs on the fresh thread
 
@@ -141,11 +171,13 @@ class _Dropped(Exception):
     """A step queued on a compute thread that `replace` abandoned: it never ran."""
 
 
-async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None, if_abandoned=None):
+async def _run_once(fn, args, abandon_on_cancel: bool, owner: str | None, if_abandoned=None, submitted=None):
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
     future: Future = _pool().submit(contextvars.copy_context().run, _timed, owner, fn, *args)
     _unfinished.add(future)
+    if submitted is not None:
+        submitted()
 
     def wake(_: Future) -> None:
         _unfinished.discard(future)

@@ -30,6 +30,8 @@ from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
     FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
 from mmserve.actors.step_fences import StepFences
+from mmserve.actors.step_build import StepBuild, StepBuilding
+from mmserve.actors.step_overlap import StepOverlap, origin
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
 from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
@@ -38,20 +40,21 @@ from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
-from mmserve.generation.step_sampling import sample_rows_and
+from mmserve.generation.step_sampling import Sampled, sample_rows_and
 from mmserve.generation.scheduler import Planned, never_fits, plan_step
 from mmserve.models.adapter import Adapter
 from mmserve.generation.runner import ModelRunner, StepInputs
-from mmserve.models.paged import Segment
 
 
-class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
+class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, Forking, Actor):
     name = "generator"
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
                  kv_config: KVCacheConfig = KVCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
-                 metrics=None):
+                 metrics=None, overlap: bool = False):
         super().__init__(model=adapter.name)
+        self.overlap = overlap  # step n+1 prepared while step n runs (`actors.step_overlap`)
+        self._overlap_state()
         self.adapter = adapter
         self.cache_manager = cache_manager
         self.runner = runner
@@ -96,6 +99,7 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
 
     async def run(self) -> None:
         self.seqs.clear()
+        self._flush_held(everything=True)  # steps of an earlier run are fenced (quarantined) by now
         self._incarnation += 1
         self._new_lease()  # a restart: whatever was reserved for an earlier run goes back
         while True:
@@ -119,6 +123,15 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
         if not self.seqs:
             with trio.move_on_after(1.0):
                 self._on_message(await self.inbox.receive())
+        while True:
+            try:
+                self._on_message(self.inbox.receive_nowait())
+            except trio.WouldBlock:
+                break
+        self._prune()
+
+    def _take_waiting(self) -> None:
+        """Takes the messages already waiting, without waiting for one (between chained steps)."""
         while True:
             try:
                 self._on_message(self.inbox.receive_nowait())
@@ -196,7 +209,9 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
 
     def _release(self, seq: Sequence, finish=None, final: bool = True) -> None:
         if seq.registered or seq.table:
-            self._note(Release(seq.kv_owner, finish, final))  # in the next step report
+            entry = Release(seq.kv_owner, finish, final)
+            if not self._hold_release(seq, entry):  # a step in flight may still write its blocks
+                self._note(entry)  # in the next step report
         seq.table = []
         seq.registered = False
         seq.epoch = None  # it holds nothing: a restart of the manager no longer concerns it
@@ -216,6 +231,7 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
         self._end(seq, SeqState.FAILED)
 
     def fail_in_flight(self, error: MMServeError) -> int:
+        self._flush_held(everything=True)  # the steps in flight were quarantined when abandoned
         for seq in self.seqs:
             self._release(seq)
         self.seqs.clear()
@@ -234,6 +250,11 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
         plan = self._granted(plan)  # drawn from the reservation: no message
         if not plan:
             return False
+        if self.overlap:  # this step, and the next ones launched while it runs (`step_overlap`)
+            self._host_time = None if self._step_end is None else time.monotonic() - self._step_end
+            self._step_end = None
+            await self._chain(plan)  # its report, with the draws of the step launched behind it
+            return True
         self._report(plan)  # one message per step, never awaited; the refill comes while it runs
         t0 = time.monotonic()
         host = None if self._step_end is None else t0 - self._step_end
@@ -244,9 +265,16 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
         finally:
             self._release_copies()
         self._step_end = time.monotonic()
+        self._count_step(self._step_end - t0, host)
+        await self._apply_results(plan, results, round(self._step_end - t0, 6))
+        return True
+
+    def _count_step(self, forward_s: float, host_s: float | None) -> None:
         self.steps += 1
-        self._time_step(self._step_end - t0, host)
-        duration = round(self._step_end - t0, 6)
+        self._time_step(forward_s, host_s)
+
+    async def _apply_results(self, plan: list[Planned], results: list, duration: float) -> None:
+        """A step's results, to its sequences (tokens, echoes, forks, finishes)."""
         for p, result in zip(plan, results):
             if p.seq.job.handle.request.prompt is not None and not isinstance(result, (int, Exception)):
                 self._echo(p.seq)  # a completions prompt's prefill ended: its echo before any token
@@ -256,7 +284,6 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
         self.log.debug("generator.step", batch=len(plan), tokens=sum(p.tokens for p in plan),
                        request_ids=[p.seq.request_id for p in plan], duration_s=duration)
         self._prune()
-        return True
 
     def _time_step(self, forward_s: float, host_s: float | None) -> None:
         self.forward_s += forward_s
@@ -280,41 +307,25 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
 
     # -- the forward (compute thread) ----------------------------------------------------------
 
-    def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int) -> list:
-        """Forked choices' block copies, then one forward over every planned sequence's new tokens,
-        then one batched sample of those that need a token (their grammar masks computed beside
-        the forward). A failure of one sequence's own work is reported for it alone."""
+    def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int,
+              built: StepBuild | None = None) -> list:
+        """Forked choices' block copies, then one forward over every planned sequence's new tokens
+        (`built`: its inputs, built beforehand), then one batched sample of those that need a token
+        (their grammar masks computed beside the forward). A failure of one sequence's own work is
+        reported for it alone."""
         if incarnation == self._incarnation:  # not abandoned: no block was released under it
             for c in copies:  # before any forward writes: the copy source may be written from now on
                 if c.child.state in LIVE and c.target in c.child.table:
                     self.runner.copy_block(c.source, c.target)
-        results: list = [None] * len(plan)
-        rows, ids, images, segments, positions, scoring, spans = [], [], [], [], [], [], []
-        for i, p in enumerate(plan):
-            if p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch:
-                # its table belongs to a dead life of the cache manager, which may have given those
-                # blocks to a shared-tier restore already: it writes nothing (and fails)
-                results[i] = ServiceUnavailable("the KV cache of this model was restarted while the request "
-                                                "ran; retry", retry_after_s=1.0)
-                continue
-            try:
-                if not p.decode:
-                    fault("generator.prefill", p.seq.label)
-                start, end = p.seq.kv_len, p.seq.kv_len + p.tokens
-                rope = self.adapter.rope_positions(p.seq.job.prompt, len(p.seq.ids), start, end)
-                self._encode_lost_images(p.seq, start, end)
-                pieces = self._image_rows(p.seq, start, end)
-            except Exception as e:
-                results[i] = e
-                continue
-            images += [(len(ids) + at, emb) for at, emb in pieces]
-            if not p.decode and scores_prompt(p.seq.handle.request):  # its prompt's own logprobs
-                scoring.append((p.seq, len(ids), start, end))
-            ids += p.seq.ids[start:end]
-            segments.append(Segment(tuple(p.seq.table), start, p.tokens))
-            spans.append(p.seq.bidirectional)
-            positions.append(rope)
-            rows.append(i)
+        carried, self._carried = self._carried, {}  # the tokens the previous step sampled (overlap)
+        if built is None or any(p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch
+                                for p in plan):  # (the epoch fence is checked here, on the thread that writes)
+            built = self._inputs(plan)
+        results, rows, ids, images, segments, positions, scoring, spans = (
+            list(built.results), built.rows, list(built.ids), built.images, built.segments, built.positions,
+            built.scoring, built.spans)
+        for at, key in built.carry_at:
+            ids[at] = carried.get(key, 0)
         if not rows:
             return results
         fault("generator.step")
@@ -336,38 +347,14 @@ class Generator(BlockGrants, StepFences, Answers, Forking, Actor):
                                     scored.packed(logits[len(segments):]) if scored else None)
         for (r, i), token in zip(wanted, tokens):
             results[i] = token
+            if self.overlap and isinstance(token, Sampled):
+                self._carried[id(origin(plan[i].seq))] = token.token_id
         if scored:
             scored.store(host, self.adapter.vocab_size)
         for i in rows:
             if results[i] is None:
                 results[i] = -1  # computed, no token due (a prefill chunk before the prompt's end)
         return results
-
-    def _encode_lost_images(self, seq: Sequence, start: int, end: int) -> None:
-        """Encodes again the images among tokens [start, end) that `seq` has no encoder output of:
-        its cached prefix covered them at admission, and a preemption since gave that KV back."""
-        lost = seq.images_to_encode(start, end)
-        if not lost:
-            return
-        fault("generator.reencode", seq.label)
-        prompt = seq.job.prompt
-        outputs = self.adapter.encode_images([prompt.pixels(self.adapter, i) for i in lost])
-        seq.with_embeds(dict(zip(lost, outputs)))
-        self.reencoded_images += len(lost)
-        if self.metrics is not None:
-            self.metrics.reencoded_images(self.adapter.name, len(lost))
-        self.log.info("generator.reencoded", request_id=seq.request_id, images=lost, kv_len=start)
-
-    @staticmethod
-    def _image_rows(seq: Sequence, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
-        """The encoder-output rows over the image placeholders among tokens [start, end) of `seq`:
-        (offset from `start`, rows) per image that falls in the range."""
-        pieces = []
-        for span, emb in zip(seq.job.prompt.spans, seq.job.image_embeds):
-            lo, hi = max(span.start, start), min(span.start + span.length, end)
-            if lo < hi:
-                pieces.append((lo - start, emb[lo - span.start:hi - span.start]))
-        return pieces
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[int, Sequence]], allowed: torch.Tensor | None,
                 grammar_rows: dict[int, int], extra: torch.Tensor | None = None) -> tuple[list, list[float]]:

@@ -106,8 +106,20 @@ def _embedded_image(image, where: str):
         raise UnprocessableImage(f"{where}: image could not be read as RGB ({e})", param=where) from None
 
 
+def refuse_prompt_beyond_arena(prompt_tokens: int, arena_tokens: int | None, param: str) -> None:
+    """A prompt whose KV the model's whole arena cannot hold is refused here, before any of its
+    images is encoded (the generator would refuse it after the vision tower ran, seconds to
+    minutes on a CPU). Its prefill needs the prompt's tokens and the first answer token's slot."""
+    needed = prompt_tokens + 1
+    if arena_tokens is not None and needed > arena_tokens:
+        raise BadRequest(
+            f"the prompt needs {needed} tokens of KV cache; this model's KV arena holds {arena_tokens} "
+            "tokens: raise [kv_cache] budget_bytes (or its memory_fraction, when budget_bytes is \"auto\")",
+            param=param, code="context_length_exceeded")
+
+
 def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: LimitsConfig,
-            label: str | None = None) -> PromptInputs:
+            label: str | None = None, arena_tokens: int | None = None) -> PromptInputs:
     fault("intake.prepare", label)
     for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
         check_image_size(adapter.image_processor, img.width, img.height, limits, where)
@@ -130,6 +142,7 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
         raise BadRequest(
             f"the prompt is {len(prompt.input_ids)} tokens; model {adapter.name!r} has a context "
             f"of {max_pos}", param=param, code="context_length_exceeded")
+    refuse_prompt_beyond_arena(len(prompt.input_ids), arena_tokens, param)
     return prompt
 
 
@@ -168,13 +181,13 @@ def raw_prompt_ids(adapter: Adapter, raw: RawPrompt) -> tuple[int, ...]:
 
 
 def _decode_and_prepare(adapter: Adapter, request: ChatRequest, limits: LimitsConfig, fetched, label,
-                        block_size: int | None):
+                        block_size: int | None, arena_tokens: int | None = None):
     """Every step in one worker-thread hop: (prompt, its full-block hashes, decode seconds,
     preprocess seconds). No block hashes without a prefix cache (`block_size` None)."""
     t0 = time.monotonic()
     images = decode_images(request, limits, fetched, label)
     t1 = time.monotonic()
-    prompt = prepare(adapter, request, images, limits, label)
+    prompt = prepare(adapter, request, images, limits, label, arena_tokens)
     hashes = () if block_size is None else tuple(prompt_block_hashes(
         adapter.model_sig, request.cache_salt, prompt.input_ids, prompt.spans, prompt.mm_keys, block_size,
         algorithm=adapter.hash_algorithm))
@@ -296,7 +309,7 @@ class Intake(Actor):
         t0 = time.monotonic()
         prompt, hashes, decode_s, preprocess_s = await trio.to_thread.run_sync(
             _decode_and_prepare, adapter, request, self.limits, fetched, handle.client_request_id,
-            self.block_size if route.prefix_cache is not None else None,
+            self.block_size if route.prefix_cache is not None else None, route.arena_tokens,
             limiter=self.limiter, abandon_on_cancel=True)  # a hung decode never holds a shutdown
         log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(prompt.spans),
                  image_tokens=[span.length for span in prompt.spans],

@@ -148,6 +148,7 @@ class Route:
     adapter: Any
     encoder: trio.MemorySendChannel
     prefix_cache: trio.MemorySendChannel | None = None
+    arena_tokens: int | None = None  # tokens the model's KV arena holds (None: not checked at intake)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ from mmserve.generation.scheduler import Planned
 class StepFences:
     """Generator methods: what to do if a step is abandoned (`compute.run`'s `if_abandoned`)."""
 
-    def _quarantine(self, plan: list[Planned]):
+    def _quarantine(self, plan: list[Planned], copies=None):
         """What to do if this step is abandoned while it still runs (a restart by the stall
         watchdog): every block it may write — its sequences' tables (only their new tokens' blocks
         are written, the rest read) and the copies' targets — is quarantined by the manager, in a
         report sent at once, before the releases of its sequences; the step's own return (the
-        compute thread's call really finished, or dropped unrun) ends the quarantine."""
-        step, copies = next(self._step_ids), list(self._copies)
+        compute thread's call really finished, or dropped unrun) ends the quarantine. `copies`: the
+        step's block copies (None: the generator's pending ones)."""
+        step, copies = next(self._step_ids), list(self._copies if copies is None else copies)
         token, manager = trio.lowlevel.current_trio_token(), self.cache_manager
 
         def returned() -> None:  # on the compute thread (or wherever the step settles)

@@ -16,6 +16,7 @@ from mmserve.logs import get_logger
 from mmserve.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mmserve.api import openai_json, responses
 from mmserve.api.body_guard import BodyGuard
+from mmserve.api.loads import register_loads_route
 from mmserve.api.request_body import JsonBodies
 from mmserve.runtime.runtime import CACHE_KINDS, ChatStream, Delta, Runtime, complete, new_request_id
 from mmserve.runtime.stream import Usage
@@ -214,6 +215,7 @@ def create_app(rt: Runtime) -> QuartTrio:
         response.timeout = None
         return response
 
+    register_loads_route(app, rt)  # GET /v1/loads: this replica's load for a router (SMG)
     return app
 
 

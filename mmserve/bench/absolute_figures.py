@@ -81,4 +81,7 @@ def absolute_figures(scenarios: dict) -> list[dict]:
         add(f"prefill of {r['tokens']} tokens", r.get("ms"), "ms", f"10: {ab.get('prefill_path', 'runner')}")
         if _ok(r.get("ms")) and r["ms"] > 0:
             add(f"prefill tok/s at {r['tokens']} tokens", 1000 * r["tokens"] / r["ms"], "tok/s", "10")
+    for r in ab.get("prefill_captured") or []:
+        add(f"prefill of {r['tokens']} tokens, captured graph", r.get("ms"), "ms",
+            f"10: {ab.get('prefill_captured_path', 'runner')}")
     return out

@@ -62,13 +62,20 @@ def decode_weight_bytes(adapter) -> int:
 
 
 class PrefillTimer:
-    """A runner over `adapter` with an arena for `max_tokens` tokens, timing one-prompt prefills."""
+    """A runner over `adapter` with an arena for `max_tokens` tokens, timing one-prompt prefills.
+    With `graph_buckets` (token counts) the runner captures a graph per bucket where it can (CUDA),
+    so a prefill of exactly a bucket's tokens replays its graph: the captured path's time."""
 
-    def __init__(self, adapter, max_tokens: int, block_size: int = KVCacheConfig().block_size):
+    def __init__(self, adapter, max_tokens: int, block_size: int = KVCacheConfig().block_size,
+                 graph_buckets: tuple[int, ...] | None = None):
         elem = torch.empty((), dtype=adapter.dtype).element_size()
         block_bytes = 2 * adapter.kv_layers * block_size * adapter.kv_heads * adapter.head_dim * elem
         blocks = -(-max_tokens // block_size) + 2  # + the static path's scratch block, + one spare
-        self.runner = ModelRunner(adapter, blocks * block_bytes, block_size, max_batch=1, cuda_graphs=False)
+        graphs = bool(graph_buckets)
+        self.runner = ModelRunner(adapter, blocks * block_bytes, block_size, max_batch=1, cuda_graphs=graphs,
+                                  max_tokens=max(max_tokens, *(graph_buckets or (0,))),
+                                  token_buckets=tuple(graph_buckets) if graphs else None)
+        self.captured = self.runner.capture() if graphs and self.runner.captures else 0
         self.adapter, self.block_size = adapter, block_size
         self.tokens = winning_tokens(adapter, adapter.vocab_size)
 

@@ -20,7 +20,7 @@ class BenchParams:
     device: str = "cpu"
     dtype: str = "float32"
     random_weights: bool = False  # build the preset as a random-weights directory (always: llava-7b, qwen2-vl-7b)
-    kv_budget_mib: int = 0  # mmserve's KV arena; 0: the config default on the CPU, CUDA_KV_BUDGET_MIB on CUDA
+    kv_budget_mib: int = 0  # mmserve's KV arena; 0: CPU_KV_BUDGET_MIB on the CPU, CUDA_KV_BUDGET_MIB on CUDA
     # 1. single-stream decode
     decode_tokens: int = 64
     decode_repeats: int = 3
@@ -64,13 +64,14 @@ class BenchParams:
     def to_json(self) -> dict:
         return asdict(self)
 
-    def kv_budget_bytes(self) -> int | None:
-        """mmserve's `[kv_cache] budget_bytes`, or None for the config's default."""
-        mib = self.kv_budget_mib or (CUDA_KV_BUDGET_MIB if self.device.startswith("cuda") else 0)
-        return mib << 20 if mib else None
+    def kv_budget_bytes(self) -> int:
+        """mmserve's `[kv_cache] budget_bytes`: fixed, never the config's "auto" (which follows the
+        memory free at the time: the figures of two runs would not compare)."""
+        return (self.kv_budget_mib or (CUDA_KV_BUDGET_MIB if self.device.startswith("cuda") else CPU_KV_BUDGET_MIB)) << 20
 
 
 CUDA_KV_BUDGET_MIB = 8192
+CPU_KV_BUDGET_MIB = 256  # the config's default until "auto" (every recorded CPU run used it)
 """The KV arena on a GPU unless given: the default 256 MiB holds 512 tokens of a 7B model in
 bfloat16 (0.5 MiB a token), less than one request with an image; 8 GiB holds 16 such requests."""
 
@@ -97,6 +98,6 @@ TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_token
                host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8,
                prefill_tokens=(8, 16), prefill_repeats=1, retention_requests=16, retention_samples=4,
                retention_settle=4, retention_concurrency=2, retention_encoder_entries=4,
-               retention_kv_budget_bytes=64 * 1024, retention_fill_max=64)
+               retention_kv_budget_bytes=256 * 1024, retention_fill_max=64)
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}

@@ -31,6 +31,20 @@ from mmserve.models.random_weights import is_random_weights
 from mmserve.runtime.runtime import configure_device
 
 
+# Each scenario's share of a run, about its seconds in the recorded runs (a quick CPU run,
+# bench/results/2026-11-26-quick-session-after, and an H200 run; the two newest scenarios
+# estimated): the progress bar advances by these, so its ETA after the first scenario scales the
+# rest by how fast this machine ran that one. Counting scenarios alike put the ETA off by several
+# times (concurrency and replicas take ten times what same_image does).
+SCENARIO_WEIGHTS = {"decode": 8, "concurrency": 34, "multiturn": 5, "same_image": 2, "three_images": 2, "peer": 2,
+                    "replicas": 29, "structured": 15, "engine_overhead": 10, "absolute": 5}
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"
+
+
+def scenario_weight(name: str) -> int:
+    return SCENARIO_WEIGHTS.get(name, 10)
+
+
 def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None = None,
               progress: bool = True) -> dict:
     """Runs `params.scenarios` and writes report.json / report.md / report.png into `out`."""
@@ -44,7 +58,8 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
     with _quiet_process_settings(params.torch_threads):
         meta = _meta(params, model_dir)
         start = time.perf_counter()
-        with tqdm(total=len(params.scenarios), desc="bench", unit="scenario", disable=not progress) as bar:
+        with tqdm(total=sum(scenario_weight(n) for n in params.scenarios), desc="bench", disable=not progress,
+                  bar_format=BAR_FORMAT) as bar:
             bench = Bench(params, model_dir, out, note=bar.set_postfix_str)
             meta.update(_family_meta(bench))
             results = _trio_run(_run_scenarios, bench, bar)
@@ -100,7 +115,7 @@ async def _run_scenarios(bench: Bench, bar: tqdm) -> dict:
             bar.set_description(name)
             results[name] = await _run_one(name, bench)
             _write_partial(bench.workdir, results)
-            bar.update(1)
+            bar.update(scenario_weight(name))
         nursery.cancel_scope.cancel()  # the SIGTERM watcher
     if terminated:
         raise SystemExit(128 + signal.SIGTERM)

@@ -75,7 +75,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's own dtype where the device runs it (runtime.sizing)
     torch_threads: int = 0
     max_loaded_models: int = 0  # 0: no limit; else the least recently used idle model is unloaded
     load_timeout_s: float = 600.0  # a model load that takes longer fails (its own clock, not the stall watchdog's)
@@ -83,6 +83,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True  # on CUDA with a capturable backend, every step that fits a bucket replays a graph
     graph_token_buckets: tuple[int, ...] = ()  # token counts of the mixed-step buckets; (): 16, 32, ... max_batched_tokens
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
+    overlap: bool = False  # step n+1 planned and launched while step n runs (actors.step_overlap); false: serial steps
 
     def __post_init__(self) -> None:
         w = "[runtime]"
@@ -94,9 +95,10 @@ class RuntimeConfig:
             fail(w, "graph_token_buckets", "a list of positive integers (empty: the default buckets)", buckets)
         object.__setattr__(self, "graph_token_buckets", tuple(sorted(set(buckets))))
         check_bool(w, "gc_freeze", self.gc_freeze)
+        check_bool(w, "overlap", self.overlap)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
-        check_choice(w, "dtype", self.dtype, DTYPES)
+        check_choice(w, "dtype", self.dtype, ("auto", *DTYPES))
         check_int(w, "torch_threads", self.torch_threads, 0)
         check_int(w, "max_loaded_models", self.max_loaded_models, 0)
         check_number(w, "load_timeout_s", self.load_timeout_s, 0, lo_open=True)
@@ -211,7 +213,8 @@ class EncoderCacheConfig:
 class KVCacheConfig:
     """The KV arena of each model: running sequences' KV and cached prefixes in one budget."""
 
-    budget_bytes: int = 256 * 1024 * 1024
+    budget_bytes: int | str = "auto"  # bytes, or "auto": memory_fraction of what the device has left (runtime.sizing)
+    memory_fraction: float = 0.5  # of the memory left after the weights, for budget_bytes = "auto"
     block_size: int = 16
     prefix_caching: bool = True
     inflight_wait_s: float = 10.0  # wait this long for blocks another request is computing; 0: never wait
@@ -219,7 +222,9 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         w = "[kv_cache]"
-        check_int(w, "budget_bytes", self.budget_bytes, 1)
+        if self.budget_bytes != "auto":
+            check_int(w, "budget_bytes", self.budget_bytes, 1, bound='>= 1, or "auto"')
+        check_number(w, "memory_fraction", self.memory_fraction, 0, 1, lo_open=True)
         check_int(w, "block_size", self.block_size, 1, 4096)
         check_bool(w, "prefix_caching", self.prefix_caching)
         check_number(w, "inflight_wait_s", self.inflight_wait_s, 0)
@@ -306,10 +311,12 @@ class AuthConfig:
 class LoggingConfig:
     format: str = "json"
     level: str = "info"
+    embedded_verbose: bool = False  # embedded, with no logging set up by the host: every event to stderr (else warnings)
 
     def __post_init__(self) -> None:
         check_choice("[logging]", "format", self.format, LOG_FORMATS)
         check_choice("[logging]", "level", self.level, LOG_LEVELS)
+        check_bool("[logging]", "embedded_verbose", self.embedded_verbose)
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,15 @@ class KVArena:
     def for_model(cls, adapter, budget_bytes: int, block_size: int, spare_blocks: int = 0) -> "KVArena":
         """The arena of `adapter`'s language model that fits `budget_bytes` (at least one block to
         hand out, and `spare_blocks` more)."""
-        elem = torch.empty((), dtype=adapter.dtype).element_size()
-        block_bytes = 2 * adapter.kv_layers * block_size * adapter.kv_heads * adapter.head_dim * elem
+        block_bytes = cls.block_bytes_for(adapter, block_size)
         return cls.allocate(adapter.kv_layers, max(1, budget_bytes // block_bytes - spare_blocks), block_size,
                             adapter.kv_heads, adapter.head_dim, adapter.dtype, adapter.device, spare_blocks)
+
+    @staticmethod
+    def block_bytes_for(adapter, block_size: int) -> int:
+        """Bytes one block of `adapter`'s language model takes over all layers, keys and values."""
+        elem = torch.empty((), dtype=adapter.dtype).element_size()
+        return 2 * adapter.kv_layers * block_size * adapter.kv_heads * adapter.head_dim * elem
 
     @property
     def layers(self) -> int:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mmserve.runtime.load import model_loads
+
 if TYPE_CHECKING:
     from mmserve.runtime.runtime import Runtime
 
@@ -116,22 +118,20 @@ class _RuntimeCollector:
         ph = c("mmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         mq = c("mmserve:mm_cache_queries", "Multimodal items looked up in the encoder cache.")
         mh = c("mmserve:mm_cache_hits", "Multimodal items found in the encoder cache.")
-        live = [h for h in rt._live if h.active]
+        loads = {load.model: load for load in model_loads(rt)}  # the figures /v1/loads reports too
         for name, m in rt.registry.loaded.items():
-            gen_ids = {s.handle.request_id for s in m.generator.running if s.admitted}
-            running.add_metric([name], len(gen_ids))
-            waiting.add_metric([name], sum(1 for h in live if h.model == name and h.request_id not in gen_ids))
+            load = loads[name]
+            running.add_metric([name], load.running)
+            waiting.add_metric([name], load.waiting)
             enc = m.encoder.stats()
             enc_bytes.add_metric([name], enc.get("bytes_in_use", 0))
             mq.add_metric([name], enc.get("hits", 0) + enc.get("misses", 0))
             mh.add_metric([name], enc.get("hits", 0))
-            kv = m.prefix_cache.stats()
-            blocks = kv["num_blocks"] or 1
-            kv_usage.add_metric([name], kv["referenced_blocks"] / blocks)
-            kv_evictable.add_metric([name], kv["evictable_blocks"] / blocks)
-            quarantined.add_metric([name], kv["quarantined_blocks"])
-            pq.add_metric([name], kv["query_tokens"])
-            ph.add_metric([name], kv["hit_tokens"])
+            kv_usage.add_metric([name], load.kv_usage)
+            kv_evictable.add_metric([name], load.evictable)
+            quarantined.add_metric([name], m.prefix_cache.stats()["quarantined_blocks"])
+            pq.add_metric([name], load.query_tokens)
+            ph.add_metric([name], load.hit_tokens)
         yield from (running, waiting, kv_usage, kv_evictable, quarantined, enc_bytes, pq, ph, mq, mh)
         yield from _step_path_metrics(rt, c)
         yield from _shared_tier_metrics(rt, g, c)

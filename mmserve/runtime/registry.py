@@ -25,6 +25,7 @@ from mmserve.models.loading import load_adapter
 from mmserve.config import Config, ModelConfig
 from mmserve.inputs.image_budget import UnknownLayout, processing_pixels
 from mmserve.runtime import gc_heap
+from mmserve.runtime.sizing import choose_dtype
 from mmserve.runtime.supervisor import Supervisor
 
 
@@ -130,6 +131,10 @@ class ModelRegistry:
             self._make_room()
             rc = self.config.runtime
             t0 = time.monotonic()
+            # a big checkpoint takes minutes on a CPU: the line that says it started tells a waiting
+            # user (and a waiting request's log) that the server is busy, not hung
+            self.log.info("registry.model_loading", model=mc.name, path=str(mc.resolved_path()),
+                          device=rc.device, load_timeout_s=rc.load_timeout_s)
             with trio.move_on_after(rc.load_timeout_s) as timer:
                 adapter = await trio.to_thread.run_sync(self._read_checkpoint, mc, abandon_on_cancel=True)
             if timer.cancelled_caught:
@@ -153,8 +158,12 @@ class ModelRegistry:
             self._warn_if_unbounded(adapter)
             # a full collection over the model's objects would stall the event loop ~200 ms at a time
             heap = gc_heap.settle() if rc.gc_freeze else {}
+            kv = runner.kv
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
-                          load_s=round(time.monotonic() - t0, 3), decode_graphs=captured, **heap)
+                          load_s=round(time.monotonic() - t0, 3), decode_graphs=captured,
+                          dtype=str(adapter.dtype).removeprefix("torch."), dtype_from=getattr(adapter, "dtype_from", "?"),
+                          kv_budget_bytes=kv.nbytes, kv_tokens=kv.num_blocks * kv.block_size,
+                          kv_budget_from=getattr(runner, "kv_budget_from", "?"), **heap)
         except CheckpointError as e:  # its message says it all: no traceback to log
             self._failed.add(mc.name)
             self.log.error("registry.load_failed", model=mc.name, path=str(mc.resolved_path()), error=e.message)
@@ -176,8 +185,12 @@ class ModelRegistry:
         # spin-waiting in the compute thread's team for good (actors/compute.py)
         torch.set_num_threads(1)
         rc = self.config.runtime
-        return load_adapter(mc.name, mc.resolved_path(), device=rc.device, dtype=rc.dtype,
-                            hash_algorithm=self.config.kv_cache.hash)
+        dtype = choose_dtype(rc.dtype, mc.resolved_path(), rc.device)
+        adapter = load_adapter(mc.name, mc.resolved_path(), device=rc.device, dtype=dtype.value,
+                               hash_algorithm=self.config.kv_cache.hash)
+        adapter.dtype_from = dtype.why  # for the load log line
+        compute.beat_per_layer(adapter.model)  # a slow forward reports progress: not taken for a hung one
+        return adapter
 
     def _warn_if_unbounded(self, adapter: Adapter) -> None:
         try:

@@ -37,8 +37,10 @@ from mmserve.generation.runner import ModelRunner
 from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
+from mmserve.runtime.sizing import context_tokens, kv_budget
+from mmserve.models.paged import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
-from mmserve.runtime.supervisor import Health, Supervisor
+from mmserve.runtime.supervisor import Health, Supervisor, not_serving_yet
 
 __all__ = ["CACHE_KINDS", "ChatCompletion", "ChatStream", "Delta", "Runtime", "complete", "new_request_id"]
 
@@ -84,14 +86,15 @@ class Runtime:
         `config`: a Config, a path to a TOML file, or None for the packaged default
         (`DEFAULT_CONFIG`: the demo models, whatever the working directory).
         Logs go through the standard `logging` module (logger `mmserve`): a host program's logging
-        configuration governs them; without one, `[logging]` applies and they go to stderr
-        (`mmserve.logs.use_default_logging`), never to stdout.
+        configuration governs them; without one, warnings and errors go to stderr (every event at
+        `[logging] level` with `embedded_verbose = true`; `mmserve.logs.use_default_logging`),
+        never to stdout.
 
         Leaving the block drains: nothing new is admitted, requests in flight get up to
         `[server] shutdown_grace_s` to finish, and the rest end with a 503 `shutdown` error."""
         if not isinstance(config, Config):
             config = load_config(DEFAULT_CONFIG if config is None else config)
-        use_default_logging(config.logging.format, config.logging.level)
+        use_default_logging(config.logging.format, config.logging.level, config.logging.embedded_verbose)
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
             compute.configure(config.runtime.torch_threads)
@@ -116,7 +119,9 @@ class Runtime:
     async def _start(self) -> None:
         self.supervisor.start(self.intake, "intake")
         for mc in self.config.models:
-            if mc.eager:
+            # the default model loads at start whether `default = true` names it or it is implied
+            # (the first, or only, [[models]] table); `load = "on_demand"` keeps it lazy
+            if mc.eager or (mc.load is None and mc.name == self.config.default_model):
                 await self.registry.get(mc.name)
         self.supervisor.ready = True
         self.log.info("runtime.started", models=self.registry.names(), loaded=sorted(self.registry.loaded))
@@ -149,11 +154,14 @@ class Runtime:
         """One model's actors around its KV arena: the tensors go to the generator's model runner,
         the bookkeeping of the same blocks to the cache manager."""
         kv, rt, gen = self.config.kv_cache, self.config.runtime, self.config.generator
-        runner = ModelRunner(adapter, kv.budget_bytes, kv.block_size, rt.attention_backend,
+        block_bytes = KVArena.block_bytes_for(adapter, kv.block_size)
+        budget = kv_budget(self.config, rt.device, block_bytes, context_tokens(self.config, adapter))
+        runner = ModelRunner(adapter, budget.value, kv.block_size, rt.attention_backend,
                              max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs,
                              max_tokens=gen.max_batched_tokens, token_buckets=rt.graph_token_buckets or None)
+        runner.kv_budget_from = budget.why  # for the load log line
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
-        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics)
+        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
         manager.generator = generator.inbox_send
         manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
         encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
@@ -165,16 +173,25 @@ class Runtime:
         while the request lives)."""
         async with self.registry.lease(handle) as loaded:
             prefix = loaded.prefix_cache
-            yield Route(loaded.adapter, loaded.encoder.inbox_send, prefix.inbox_send if prefix else None)
+            kv = loaded.generator.runner.kv
+            yield Route(loaded.adapter, loaded.encoder.inbox_send, prefix.inbox_send if prefix else None,
+                        arena_tokens=kv.num_blocks * kv.block_size)
 
     # -- the API -------------------------------------------------------------------------
 
     def health(self, model: str | None = None) -> Health:
         """The runtime's health, or one model's (its actors and the shared intake): a load balancer
-        can route around one sick model. ModelNotFound for a name that is not configured."""
-        if model is not None:
-            self.registry.configured(model)
-        return self.supervisor.health(model, self.registry.states())
+        can route around one sick model. ModelNotFound for a name that is not configured.
+
+        One model's `ok` is what GET /health?model=NAME answers 200 for: the model is loaded and
+        serving here (a model not loaded yet is not ok, though its first request would load it)."""
+        if model is None:
+            return self.supervisor.health(None, self.registry.states())
+        self.registry.configured(model)
+        health = self.supervisor.health(model, self.registry.states())
+        if health.ok and not health.serving:
+            health = dataclasses.replace(health, ok=False, reason=not_serving_yet(model, health.state))
+        return health
 
     def models(self) -> list[dict[str, Any]]:
         states = self.health().models

@@ -45,7 +45,7 @@ class Health:
     "ok", "down" (an actor of it died or hung: restarting), "loading", "not_loaded" or "failed".
 
     `ok`: nothing is wrong, requests are admitted (a model not loaded yet is loaded by its first
-    request). `serving`: what a load balancer routes by — for one model, also that it is loaded:
+    request); `Runtime.health(model)` narrows it to `serving`, as GET /health?model= does. `serving`: what a load balancer routes by — for one model, also that it is loaded:
     a request sent to a replica that has not loaded the model would wait for the whole load."""
 
     ok: bool
@@ -70,7 +70,7 @@ class Health:
     def retry_after(self) -> float | None:
         """When asking again may find it serving; None while serving, and for a model that is not
         loaded (nothing but a request for it will load it)."""
-        if self.serving or (self.ok and self.state == "not_loaded"):
+        if self.serving or self.state == "not_loaded":
             return None
         return self.retry_after_s
 
@@ -81,17 +81,23 @@ class Health:
         if self.model is not None:
             body["model"] = self.model
             body["state"] = self.state
-        reason = self.reason or (None if self.serving else _not_serving_yet(self.model, self.state))
+        reason = self.reason or (None if self.serving else not_serving_yet(self.model, self.state))
         if reason:
             body["reason"] = reason
         return body
 
 
-def _not_serving_yet(model: str, state: str | None) -> str:
+def not_serving_yet(model: str, state: str | None) -> str:
     if state == "loading":
         return f"model {model!r} is loading"
     return (f"model {model!r} is not loaded on this server: its first request here loads it "
             f"(load = \"eager\" loads it at start)")
+
+
+def stall_error(limit: float) -> str:
+    """An actor's last error after a stall (health's reason names the key to change)."""
+    return (f"stalled: no progress for {limit:g}s with work pending (no model layer started in that time; "
+            "if the model is only slow on this machine, raise [supervisor] stall_timeout_s)")
 
 
 def model_of(key: str) -> str | None:
@@ -128,15 +134,17 @@ class Supervisor:
                 if state.busy_since is None:
                     state.busy_since = now
                 quiet = now - max(actor.last_progress, state.busy_since)
+                if compute.busy_owner() == state.key:  # its step on the compute thread: slow is not hung
+                    quiet = min(quiet, compute.quiet_for())
                 if state.alive and state.run_scope is not None \
                         and quiet > limit and not self._waits_on_another(state.key, limit):
                     state.stalled = True
                     state.alive = False
                     state.died_at = now
-                    state.last_error = f"stalled: no progress for {limit}s with work pending"
+                    state.last_error = stall_error(limit)
                     self.log.error("supervisor.actor_stalled", target=state.key, stalled_s=round(quiet, 3))
                     state.run_scope.cancel()
-                    if compute.busy_for() > limit and compute.busy_owner() == state.key:  # its hung step holds the thread
+                    if compute.quiet_for() > limit and compute.busy_owner() == state.key:  # its hung step holds the thread
                         compute.replace(f"{state.key} stalled in a model step")
 
     @staticmethod
@@ -144,7 +152,7 @@ class Supervisor:
         """Whether `key` is only queued behind another actor's hung step on the shared compute
         thread: that one is the hung actor, this one is waiting (and goes on once it is replaced)."""
         owner = compute.busy_owner()
-        return compute.busy_for() > limit and owner is not None and owner != key
+        return compute.quiet_for() > limit and owner is not None and owner != key
 
     def start(self, actor: Actor, key: str) -> None:
         """Starts supervising `actor` under the name `key` (e.g. `generator[demo]`)."""
@@ -175,7 +183,7 @@ class Supervisor:
                 if not state.stalled:
                     state.alive = False
                     return
-                self._contain(state, f"stalled: no progress for {self.config.stall_timeout_s}s with work pending")
+                self._contain(state, stall_error(self.config.stall_timeout_s), stalled=True)
             except Exception as exc:  # an actor bug or a model failure: contain it, restart
                 self._contain(state, _describe(exc), exc)
             if trio.current_time() - started >= self.config.healthy_reset_s:
@@ -184,15 +192,23 @@ class Supervisor:
             backoff = min(backoff * 2, self.config.max_restart_backoff_s)
             self.log.info("supervisor.actor_restarted", target=state.key, restarts=state.restarts)
 
-    def _contain(self, state: ActorState, error: str, exc: BaseException | None = None) -> None:
-        """Marks the actor down and fails every request it held, at once, with a clear 503."""
+    def _contain(self, state: ActorState, error: str, exc: BaseException | None = None,
+                 stalled: bool = False) -> None:
+        """Marks the actor down and fails every request it held, at once, with a clear 503. A
+        stall's says what to change: the same request would stall the same way on a retry."""
         state.alive = False
         state.run_scope = None
         state.restarts += 1
         state.died_at = time.monotonic()
         state.last_error = error
-        failed = state.actor.fail_in_flight(ServiceUnavailable(
-            f"{state.key} failed while handling this request ({error}); it is being restarted, retry shortly"))
+        if stalled:
+            message = (f"{state.key} stalled: no progress on this request for {self.config.stall_timeout_s:g} s "
+                       "(no model layer started and nothing else moved in that time); it is being restarted. A model this slow on this "
+                       "machine is not hung: raise [supervisor] stall_timeout_s, or send a smaller request "
+                       "(fewer or smaller images, fewer tokens); a retry of the same request will stall again")
+        else:
+            message = f"{state.key} failed while handling this request ({error}); it is being restarted, retry shortly"
+        failed = state.actor.fail_in_flight(ServiceUnavailable(message))
         self.log.error("supervisor.actor_died", target=state.key, error=error, failed_requests=failed,
                        restarts=state.restarts, exc_info=exc)
 

@@ -19,7 +19,10 @@ from typing import Any, Iterator
 import trio
 
 from mmserve.config import Config
-from mmserve.runtime.runtime import ChatCompletion, Delta, Runtime
+from mmserve.errors import MMServeError
+from mmserve.inputs.request import ChatRequest
+from mmserve.runtime.runtime import CACHE_KINDS, ChatCompletion, Delta, Runtime
+from mmserve.runtime.supervisor import Health
 
 
 class SyncRuntime:
@@ -85,8 +88,54 @@ class SyncRuntime:
         finally:
             trio.from_thread.run_sync(stream.close, trio_token=self._token)
 
-    def stats(self) -> dict:
-        return trio.from_thread.run_sync(self._rt.stats, trio_token=self._token)
+    # -- the rest of Runtime's API, each call crossing into the runtime's thread -------------------
+    # (tests/test_sync_runtime.py walks Runtime's public methods: each has its twin here)
 
-    def health(self):
-        return trio.from_thread.run_sync(self._rt.health, trio_token=self._token)
+    def _call(self, fn, *args, **kwargs):
+        return trio.from_thread.run_sync(lambda: fn(*args, **kwargs), trio_token=self._token)
+
+    def _await(self, fn, *args, **kwargs):
+        return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
+
+    def text_completion(self, prompt: str | list, **params: Any) -> ChatCompletion:
+        return self._await(self._rt.text_completion, prompt, **params)
+
+    def health(self, model: str | None = None) -> Health:
+        return self._call(self._rt.health, model)
+
+    def models(self) -> list[dict[str, Any]]:
+        return self._call(self._rt.models)
+
+    def stats(self) -> dict:
+        return self._call(self._rt.stats)
+
+    def debug_cache(self, oldest: int = 10) -> dict:
+        return self._call(self._rt.debug_cache, oldest)
+
+    def reset_caches(self, model: str | None = None, caches: tuple[str, ...] = CACHE_KINDS,
+                     timeout_s: float = 10.0) -> dict:
+        return self._await(self._rt.reset_caches, model, caches, timeout_s)
+
+    def parse(self, body: dict) -> ChatRequest:
+        return self._call(self._rt.parse, body)
+
+    def parse_completions(self, body: dict) -> tuple[ChatRequest, ...]:
+        return self._call(self._rt.parse_completions, body)
+
+    def reject(self, error: MMServeError, request_id: str | None, client_request_id: str | None = None,
+               model: str | None = None) -> None:
+        return self._call(self._rt.reject, error, request_id, client_request_id, model)
+
+    def drain(self, grace_s: float | None = None) -> None:
+        """Stops admitting, lets requests in flight finish for up to `grace_s` (see Runtime.drain)."""
+        return self._await(self._rt.drain, grace_s)
+
+    def tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize (see Runtime.tokenize)."""
+        return self._await(self._rt.tokenize, body)
+
+    def detokenize(self, body: dict) -> dict:
+        return self._await(self._rt.detokenize, body)
+
+    def tokenizer_info(self, model: str | None = None) -> dict:
+        return self._await(self._rt.tokenizer_info, model)

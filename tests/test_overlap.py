@@ -1,0 +1,163 @@
+"""Overlap scheduling (`[runtime] overlap`, `actors.step_overlap`): step n+1 is planned, its blocks
+drawn and its inputs frozen while step n runs on the compute thread, and the answers are the same
+as with serial steps — greedy, seeded, stop strings, n > 1, grammar, logprobs — also under
+preemption and cancellation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from mmserve import Runtime
+from mmserve.bench.stand_in import StandInForward
+from mmserve.errors import MMServeError
+from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
+from tests.helpers import ask, assert_nothing_held
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+    "required": ["colour", "count"]}}}
+
+
+def question(i: int):
+    colours, shapes = ["red", "blue", "green", "yellow"], ["circle", "square", "triangle"]
+    return ask(render_image(colours[i % 4], shapes[i % 3], background="white", seed=300 + i),
+               Q_COLOR if i % 2 else Q_SHAPE)
+
+
+REQUESTS = [
+    dict(temperature=0, max_tokens=24, min_tokens=24),
+    dict(temperature=0, max_tokens=30),  # ends at its own EOS (or its length)
+    dict(temperature=0.9, seed=7, max_tokens=20, min_tokens=20),
+    dict(temperature=0.9, seed=11, top_p=0.9, max_tokens=18, n=2),
+    dict(temperature=0, max_tokens=40, stop=["e"]),  # a stop string, found in the text
+    dict(temperature=0, max_tokens=16, min_tokens=16, logprobs=True, top_logprobs=3),
+    dict(temperature=0, max_tokens=30, response_format=SCHEMA),
+    dict(temperature=0.7, seed=3, max_tokens=22, min_tokens=22, n=3, logprobs=True, top_logprobs=2),
+]
+
+
+def summary(c) -> list:
+    return [(ch.text, ch.finish_reason, ch.logprobs) for ch in c.choices] + [c.usage]
+
+
+def exact(answers: list) -> list:
+    """`answers` with every logprob value left out (the tokens, texts and ids kept)."""
+    return [a if isinstance(a, str) or a is None else [x if not isinstance(x, tuple) else (x[0], x[1], _tokens(x[2])) for x in a]
+            for a in answers]
+
+
+def _tokens(logprobs) -> tuple | None:
+    return None if logprobs is None else tuple((e.token, e.token_id, e.bytes, _tokens(e.top)) for e in logprobs)
+
+
+def logprob_values(answers: list) -> list[float]:
+    def values(logprobs):
+        for e in logprobs or ():
+            yield e.logprob
+            yield from values(e.top)
+    return [v for a in answers if isinstance(a, list) for x in a if isinstance(x, tuple) for v in values(x[2])]
+
+
+async def answers(config, overlap: bool, cancel: int | None = None) -> tuple[list, int]:
+    """Every request of REQUESTS at once (each on its own image); `cancel`: that one leaves after
+    its third token. Returns (each answer's summary, the generator's preemptions)."""
+    out: list = [None] * len(REQUESTS)
+    async with Runtime.open(config.replace(runtime={"overlap": overlap})) as rt:
+        async def one(i: int) -> None:
+            if i == cancel:
+                async with rt.chat(question(i), temperature=0, max_tokens=60, min_tokens=60) as stream:
+                    for _ in range(3):
+                        await stream.__anext__()
+                return
+            try:
+                out[i] = summary(await rt.chat_completion(question(i), **REQUESTS[i]))
+            except MMServeError as e:
+                out[i] = repr(e)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(REQUESTS)):
+                nursery.start_soon(one, i)
+        await assert_nothing_held(rt)
+        generator = rt.registry.require("demo").generator
+        return out, generator.preemptions
+
+
+async def test_answers_are_the_same_with_overlap_on_and_off(demo_config):
+    config = demo_config.replace(kv_cache={"prefix_caching": False})
+    serial, _ = await answers(config, overlap=False)
+    overlapped, _ = await answers(config, overlap=True)
+    # batches form as requests arrive (prefill chunks beside other rows): a logprob may differ in
+    # the last bits of a float, as between two serial runs; every token, text and finish is the same
+    assert exact(overlapped) == exact(serial)
+    assert logprob_values(overlapped) == pytest.approx(logprob_values(serial), abs=1e-4)
+    assert all(not isinstance(a, str) for a in serial), serial  # every request answered
+
+
+async def test_answers_are_the_same_with_overlap_under_preemption_and_cancellation(demo_config):
+    # 20 blocks of 8 tokens: the eight requests preempt each other; request 4 leaves early
+    config = demo_config.replace(kv_cache={"block_size": 8, "budget_bytes": 20 * 16384})
+    serial, preempted = await answers(config, overlap=False, cancel=4)
+    overlapped, preempted_too = await answers(config, overlap=True, cancel=4)
+    assert preempted and preempted_too
+    assert exact(overlapped) == exact(serial)
+    assert logprob_values(overlapped) == pytest.approx(logprob_values(serial), abs=1e-4)
+
+
+async def steps_and_host_work(config, overlap: bool, duration_s: float = 0.06) -> tuple[list, list]:
+    """Three greedy streams with the forward a stand-in of `duration_s`; returns the stand-in's calls
+    and, per step planned ahead (overlap) or serially, (start, end, index of the step it was built
+    behind, or None) of the host work that prepared it."""
+    marks: list[tuple[float, float, int | None]] = []
+    async with Runtime.open(config.replace(runtime={"overlap": overlap})) as rt:
+        loaded = rt.registry.require("demo")
+        gen = loaded.generator
+        step, ahead, plan = gen._step, gen._ahead, gen._plan
+        index: dict[int, int] = {}  # id(step's plan) -> its call of the stand-in (one forward a step)
+
+        kept = []  # every step's plan, so no id is reused
+
+        def counted_step(views, *rest):
+            kept.append(views)
+            index[id(views)] = len(stand_in.calls)
+            return step(views, *rest)
+
+        def timed_ahead(nursery, flight):
+            t0 = time.perf_counter()
+            launched = ahead(nursery, flight)
+            if launched is not None:
+                kept.append(flight.views)
+                marks.append((t0, time.perf_counter(), id(flight.views)))
+            return launched
+
+        def timed_plan():
+            t0 = time.perf_counter()
+            planned = plan()
+            marks.append((t0, time.perf_counter(), None))
+            return planned
+
+        gen._step, gen._ahead, gen._plan = counted_step, timed_ahead, timed_plan
+        with StandInForward(loaded.adapter, duration_s) as stand_in:
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(lambda i=i: rt.chat_completion(question(i), temperature=0, max_tokens=8,
+                                                                      min_tokens=8))
+        calls = list(stand_in.calls)
+    return calls, [(t0, t1, index.get(k) if k is not None else None) for t0, t1, k in marks]
+
+
+async def test_step_n_plus_one_is_prepared_while_step_n_runs(demo_config):
+    config = demo_config.replace(kv_cache={"prefix_caching": False})
+    calls, ahead = await steps_and_host_work(config, overlap=True)
+    built = [(t0, t1, k) for t0, t1, k in ahead if k is not None]
+    assert len(built) >= 5, ahead  # the decode steps, one after another
+    for t0, t1, k in built:
+        running = calls[k]  # the step it was queued behind
+        # planned, drawn and frozen before that step's forward ended; the step itself ran after it
+        assert t1 < running.end, (t0, t1, running)
+        assert calls[k + 1].start >= running.end
+    # serially, every plan is made between two forwards, never during one
+    calls, plans = await steps_and_host_work(config, overlap=False)
+    assert plans and not any(c.start < t0 < c.end or c.start < t1 < c.end for t0, t1, _ in plans for c in calls)
