@@ -114,13 +114,14 @@ def test_a_waiting_hit_gives_its_blocks_back_before_a_running_sequence():
 
     from mmserve.actors.block_grants import BlockGrants
     from mmserve.actors.sequence import SeqState
+    from mmserve.generation.scheduler import FIFO
 
     released = []
     running_new = SimpleNamespace(state=SeqState.DECODING, table=[3], admitted=True, order=5, resumable=False,
                                   chain=None, hashes=[], kv_len=16, request_id="run", tokens=[1])
     waiting_old = SimpleNamespace(state=SeqState.PREFILLING, table=[1, 2], admitted=False, order=4,
                                   resumable=False, chain=None, hashes=[b"h"], kv_len=32, request_id="hit", tokens=[])
-    gen = SimpleNamespace(seqs=[waiting_old, running_new], preemptions=0, metrics=None,
+    gen = SimpleNamespace(seqs=[waiting_old, running_new], preemptions=0, metrics=None, ranking=FIFO,
                           _release=lambda s, final=True: released.append((s.request_id, final)),
                           log=SimpleNamespace(info=lambda *a, **k: None))
     victim = BlockGrants._newest_holder(gen)

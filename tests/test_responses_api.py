@@ -211,7 +211,7 @@ def test_text_format_json_schema_and_max_output_tokens(client, server):
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"n": 2}, "n"),
-    ({"priority": 2}, "priority"),
+    ({"priority": 2.5}, "priority"),
     ({"tools": [dict(WEATHER, defer_loading=True)]}, "tools[0].defer_loading"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0]"),  # chat's nested shape
     ({"metadata": {"k": 1}}, "metadata"),

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.actors.sequence import Sequence
-from mmserve.generation.scheduler import blocks_for, newest, plan_step
+from mmserve.generation.scheduler import Ranking, blocks_for, displaced, newest, plan_step
 
 
 @dataclass(eq=False)
@@ -233,3 +233,162 @@ def test_decode_rows_and_prefills_share_the_budget():
     assert wide not in [p.seq for p in plan]
     # the first request is always admitted (the generator refuses one whose n exceeds the budget)
     assert [p.seq for p in plan_step([], [wide], block_size=16, max_batched_tokens=2, max_running=64)] == [wide]
+
+
+# -- priorities (issue 41 item 4) --------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class P(S):
+    """A sequence with a priority (lower first) and an arrival time (aging)."""
+    priority: int = 0
+    arrived: float = 0.0
+
+
+def test_a_later_request_of_a_better_priority_is_admitted_first():
+    early_low, later_high = P(0, 0, 30, 0, priority=3), P(1, 0, 30, 0, priority=-1)
+    later_low = P(2, 0, 30, 0, priority=3)
+    ranking = Ranking(now=0.0, aging_s=10.0)
+    plan = plan_step([], [early_low, later_low, later_high], 16, 1000, max_running=1, ranking=ranking)
+    assert planned(plan) == [later_high]
+    # equal priorities keep arrival order (head of line included)
+    plan = plan_step([], [later_low, early_low], 16, 1000, max_running=1, ranking=ranking)
+    assert planned(plan) == [early_low]
+
+
+def test_decode_tokens_and_prefill_chunks_go_by_rank():
+    d_low, d_high = P(0, 10, 11, 1, admitted=True, priority=2), P(1, 10, 11, 1, admitted=True, priority=0)
+    p_low, p_high = P(2, 0, 40, 0, admitted=True, priority=2), P(3, 0, 40, 0, admitted=True, priority=0)
+    plan = plan_step([d_low, d_high], [p_low, p_high], 16, 30, max_running=8, ranking=Ranking(0.0, 10.0))
+    assert [(p.seq, p.tokens) for p in plan] == [(d_high, 1), (d_low, 1), (p_high, 28)]
+
+
+def test_aging_improves_a_waiting_priority_by_a_level_per_period():
+    old_low, new_high = P(0, 0, 30, 0, priority=2, arrived=0.0), P(1, 0, 30, 0, priority=0, arrived=1.0)
+    assert Ranking(now=1.5, aging_s=1.0).priority(old_low) == 1
+    # at 2.5 s it is at 0, the newer one (arrived at 1 s) at -1: the newer one still goes first
+    assert Ranking(now=2.5, aging_s=1.0).key(old_low) > Ranking(now=2.5, aging_s=1.0).key(new_high)
+    # a request of priority q arriving (p - q + 1) × aging_s or more after it never ranks ahead of
+    # it, whatever order the two reached the generator in
+    later = P(-1, 0, 30, 0, priority=0, arrived=3.0)
+    for now in (3.0, 3.3, 3.99, 4.0, 7.7):
+        r = Ranking(now=now, aging_s=1.0)
+        assert r.key(old_low) < r.key(later)
+        assert planned(plan_step([], [later, old_low], 16, 1000, max_running=1, ranking=r)) == [old_low]
+
+
+def test_a_better_priority_displaces_the_lowest_newest_first_never_an_equal_one():
+    r = Ranking(0.0, 10.0)
+    a = P(0, 10, 11, 1, admitted=True, priority=3)
+    b = P(1, 10, 11, 1, admitted=True, priority=5)
+    c = P(2, 10, 11, 1, admitted=True, priority=5)
+    high = P(3, 0, 30, 0, priority=1)
+    assert displaced([a, b, c], [high], 1000, max_running=3, ranking=r) == ["r2"]  # lowest, newest among equals
+    assert displaced([a, b, c], [high], 1000, max_running=4, ranking=r) == []  # room for it: nobody
+    # room only once two are gone: the two of priority 5
+    assert displaced([a, b, c], [high], 1000, max_running=2, ranking=r) == ["r2", "r1"]
+    # the same priority as the lowest running one: nobody is displaced, it waits
+    assert displaced([a, b, c], [P(4, 0, 30, 0, priority=5)], 1000, max_running=3, ranking=r) == []
+    # making room would take displacing one of a priority not worse than its own: nobody
+    assert displaced([a, b, c], [P(4, 0, 30, 0, priority=4)], 1000, max_running=1, ranking=r) == []
+    # decode rows count too: a wide request needs its rows freed
+    wide = P(5, 0, 30, 0, priority=0)
+    wide.rows = 3
+    assert displaced([a, b, c], [wide], 5, max_running=8, ranking=r) == ["r2"]
+    # the choices of one request go together, and count once
+    parent = P(6, 10, 11, 1, admitted=True, request="q", priority=7)
+    child = P(7, 10, 11, 1, admitted=True, request="q", priority=7)
+    assert displaced([a, parent, child], [high], 1000, max_running=2, ranking=r) == ["q"]
+
+
+def test_a_preempted_sequence_is_the_lowest_priority_newest_among_equals():
+    seqs = [P(5, 1, 2, 1, priority=0), P(9, 1, 2, 1, priority=0), P(7, 1, 2, 1, priority=4), P(3, 1, 2, 1, priority=4)]
+    assert newest(seqs, Ranking(0.0, 10.0)) is seqs[2]
+
+
+def reference_rank_admissions(live: list[P], max_running: int, ranking: Ranking) -> list[P]:
+    """Who is admitted this step with an ample token budget: the waiting sequences by rank, as long
+    as their requests fit beside the running ones (head of line)."""
+    running = {s.request_id for s in live if s.admitted}
+    waiting = [s for s in live if not s.admitted and s.request_id not in running]
+    first = {r: min(ranking.key(s) for s in waiting if s.request_id == r) for r in {s.request_id for s in waiting}}
+    admitted = []
+    for s in sorted(waiting, key=lambda s: (first[s.request_id], ranking.key(s))):  # a request's choices together
+        if s.request_id not in running and len(running) >= max_running:
+            break
+        running.add(s.request_id)
+        admitted.append(s)
+    return admitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(1, 4), st.integers(4, 96), st.booleans(), st.sampled_from([0.5, 2.0, 1e9]))
+def test_priority_admission_against_a_reference(data, max_running, budget, ample, aging_s):
+    """A simulated generator life with priorities and aging: requests arrive (priorities -2..2, n
+    choices), steps displace then plan, the worst ranked holder is preempted, sequences end, the
+    clock moves. After every step: at most `max_running` requests admitted; none admitted while a
+    better-ranked one waits; a displaced request has a strictly worse effective priority than the
+    request it makes room for, which is then admitted (ample budget); with an ample budget the
+    admissions are exactly the reference's."""
+    block = 4
+    orders = itertools.count()
+    clock = [0.0]
+    live: list[P] = []
+    for _ in range(data.draw(st.integers(1, 40), label="ops")):
+        op = data.draw(st.sampled_from(["arrive", "arrive", "step", "step", "step", "preempt", "end", "wait"]),
+                       label="op")
+        ranking = Ranking(clock[0], aging_s)
+        if op == "arrive":
+            prompt = data.draw(st.integers(2, 40), label="prompt")
+            hit = data.draw(st.integers(0, prompt - 1), label="hit tokens")
+            live.append(P(next(orders), hit, prompt, blocks_for(hit, block), n=data.draw(st.integers(1, 3), label="n"),
+                          priority=data.draw(st.integers(-2, 2), label="priority"), arrived=clock[0]))
+        elif op == "wait":
+            clock[0] += data.draw(st.floats(0, 3), label="seconds")
+        elif op == "preempt":
+            victim = newest([s for s in live if s.table], ranking)
+            if victim is not None:
+                victim.table, victim.kv_len, victim.decoding = 0, 0, False
+        elif op == "end" and live:
+            live.remove(data.draw(st.sampled_from(live), label="ends"))
+        elif op == "step":
+            step_budget = 10_000 if ample else budget
+            decoding, prefilling = [s for s in live if s.decoding], [s for s in live if not s.decoding]
+            out = displaced(decoding, prefilling, step_budget, max_running, ranking)
+            if out:
+                waiting = [s for s in live if not s.admitted and not any(
+                    o.admitted and o.request_id == s.request_id for o in live)]
+                head = min(waiting, key=ranking.key)
+                assert all(ranking.priority(s) > ranking.priority(head) for s in live if s.request_id in out)
+                for s in live:
+                    if s.request_id in out:  # the generator's `_displace`: blocks back, admission lost
+                        s.table, s.kv_len, s.decoding, s.admitted = 0, 0, False, False
+                decoding, prefilling = [s for s in live if s.decoding], [s for s in live if not s.decoding]
+            was = {id(s) for s in live if s.admitted}
+            expected = reference_rank_admissions(live, max_running, ranking)
+            plan = plan_step(decoding, prefilling, block, step_budget, max_running, ranking)
+            for p in plan:
+                p.seq.admitted = True
+            new = [s for s in live if s.admitted and id(s) not in was]
+            assert len({s.request_id for s in live if s.admitted}) <= max_running
+            # by request (its choices go together, at its best rank): none newly running while a
+            # better-ranked request still waits
+            running_before = {s.request_id for s in live if id(s) in was}
+            rank_of = {}
+            for s in live:
+                if s.request_id not in running_before:
+                    rank_of[s.request_id] = min(rank_of.get(s.request_id, ranking.key(s)), ranking.key(s))
+            running_now = {s.request_id for s in live if s.admitted}
+            for r in running_now - running_before:
+                assert all(o in running_now for o in rank_of if rank_of[o] < rank_of[r]), \
+                    "admitted while a better-ranked one waits"
+            if ample:
+                assert {id(s) for s in new} == {id(s) for s in expected}
+                if out:
+                    assert head in new, "displaced others, yet not admitted"
+            for p in plan:
+                apply(p, live, orders, block)
+                for c in live:
+                    if not isinstance(c, P):  # a forked choice shares its request's priority and arrival
+                        live[live.index(c)] = P(c.order, c.kv_len, c.target, c.table, c.admitted, c.request,
+                                                c.decoding, c.n, priority=p.seq.priority, arrived=p.seq.arrived)

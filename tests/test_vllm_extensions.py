@@ -49,7 +49,10 @@ def test_sampling_extensions_are_parsed():
     ({"use_beam_search": True}, "use_beam_search", UnsupportedParameter),
     ({"prompt_logprobs": 0}, "prompt_logprobs", UnsupportedParameter),
     ({"add_special_tokens": True}, "add_special_tokens", UnsupportedParameter),
-    ({"priority": 3}, "priority", UnsupportedParameter),
+    ({"priority": 2**31}, "priority", BadRequest),
+    ({"priority": -(2**31) - 1}, "priority", BadRequest),
+    ({"priority": "1"}, "priority", BadRequest),
+    ({"priority": True}, "priority", BadRequest),
     ({"ignore_eos": "yes"}, "ignore_eos", BadRequest),
     ({"min_p": 1.5}, "min_p", BadRequest),
     ({"min_p": float("nan")}, "min_p", BadRequest),
@@ -118,8 +121,8 @@ def test_vllm_request_fields_are_parsed():
     assert parse(structured_outputs={"grammar": 'start: "a"+'}).sampling.grammar is not None
     for backend in ("auto", "guidance", "llguidance"):
         parse(guided_decoding_backend=backend)
-    with pytest.raises(UnsupportedParameter, match="priority scheduling"):
-        parse(priority=-1)
+    assert parse(priority=-1).options.priority == -1 and parse().options.priority == 0
+    assert parse(priority=2**31 - 1).options.priority == 2**31 - 1
 
 
 def test_template_options_and_the_last_message():

@@ -21,7 +21,9 @@ blocks are preempted until what they give back covers it — their blocks go bac
 report (committed ones stay cached) and come back, as the manager sees fit, in the next refill.
 A prefill chunk is cut to the blocks the reserve has; when only prefills wait and none can go, the
 newest holder other than the oldest of them is preempted, so the oldest sequence always gets its
-blocks in the end.
+blocks in the end. "Oldest" and "newest" are by the scheduler's rank (`generation.scheduler.
+Ranking`: priority, aged, then arrival): a stuck prefill of a better priority preempts holders of
+a worse one, the lowest priority first, newest first among equals.
 
 The reservation's life: a refill is taken only if it is of the manager life (epoch) and the lease
 the generator draws from now, and never twice (its report's number). Going idle, restarting, or
@@ -32,6 +34,8 @@ drops those). Resume and Fork stay round trips (they are not per step); the repo
 
 from __future__ import annotations
 
+import time
+
 import trio
 
 from mmserve.actors.grant_book import RESERVE_SHARE, RESERVE_SLACK, GrantBook, whole_spans
@@ -39,11 +43,13 @@ from mmserve.actors.messages import Draw, Refill, Release, Resume, Resumed, Step
 from mmserve.actors.prompt_scores import scored_blocks
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.errors import ServiceUnavailable
-from mmserve.generation.scheduler import Planned, blocks_for, fit_chunk, newest
+from mmserve.generation.scheduler import FIFO, Planned, Ranking, blocks_for, displaced, fit_chunk, newest
 
 class BlockGrants:
     """Generator methods: drawing a plan's blocks from the reservation, the step report, refills,
-    preemption, resumes, manager epochs."""
+    preemption (for blocks, and for a better priority), resumes, manager epochs."""
+
+    ranking: Ranking = FIFO  # who goes first (priority, aged, then arrival): set by each plan
 
     @property
     def grants(self) -> GrantBook:
@@ -100,20 +106,21 @@ class BlockGrants:
         if not stuck or g.due_since is not None or not g.exhausted:
             return going  # what waits may be covered by the refill asked for (or to ask for)
         decode = any(p.decode for p in stuck)
-        oldest_p = min(stuck, key=lambda p: p.seq.order)
+        rank = self.ranking.key
+        oldest_p = min(stuck, key=lambda p: rank(p.seq))
         oldest = oldest_p.seq
-        # a stuck prefill preempts when nothing else runs, or else only holders younger than it
-        # (admission is oldest first: older decoders go on, and end, before it)
-        younger = None if decode or not going else oldest.order
-        if younger is not None and not any(s.order > younger for s in self.seqs if s.state in LIVE and s.table):
+        # a stuck prefill preempts when nothing else runs, or else only holders ranked below it
+        # (admission is by rank: better-ranked decoders go on, and end, before it)
+        younger = None if decode or not going else rank(oldest)
+        if younger is not None and not any(rank(s) > younger for s in self.seqs if s.state in LIVE and s.table):
             return going
         # victims, newest first, until what they give back covers the stuck decode tokens (or the
         # blocks the oldest prefill's chunk lacks): a victim whose blocks others share gives nothing back
         need = sum(p.new_blocks for p in stuck if p.decode) if decode else \
             max(1, oldest_p.new_blocks - len(g.reserve))
         while need > 0:
-            victim = self._newest_holder(spare=None if decode else oldest)
-            if victim is None or (younger is not None and victim.order <= younger):
+            victim = self._newest_holder(spare=None if decode else oldest, below=younger)
+            if victim is None or (younger is not None and rank(victim) <= younger):
                 break  # (with no victim left, lookups pin the blocks for now)
             others = {b for s in self.seqs if s is not victim and s.state in LIVE for b in s.table}
             need -= len(set(victim.table) - others)
@@ -140,7 +147,7 @@ class BlockGrants:
         """What the next step will draw, after the step `plan` (its draws done): a block for each
         decode token that starts one, the blocks of the prefill chunks up to `max_batched_tokens`.
         None when idle."""
-        live = sorted((s for s in self.seqs if s.state in LIVE), key=lambda s: s.order)
+        live = sorted((s for s in self.seqs if s.state in LIVE), key=self.ranking.key)
         if not live:
             return None
         # a preempted sequence gets back what is still cached of its blocks first (`_resume`):
@@ -267,12 +274,36 @@ class BlockGrants:
 
     # -- preemption, resumes, epochs -----------------------------------------------------------
 
-    def _newest_holder(self, spare: Sequence | None = None) -> Sequence | None:
-        """The sequence to preempt: the newest holding blocks (not `spare`) — one still waiting for
+    def _newest_holder(self, spare: Sequence | None = None, below: tuple | None = None) -> Sequence | None:
+        """The sequence to preempt: the newest (worst ranked: lowest priority, newest among equals)
+        holding blocks (not `spare`; ranked below `below` when given) — one still waiting for
         admission (a hit holding its pinned prefix) before any running one. None when no other
         sequence holds a block."""
-        holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table]
-        return newest([s for s in holders if not s.admitted]) or newest(holders)
+        holders = [s for s in self.seqs if s.state in LIVE and s is not spare and s.table
+                   and (below is None or self.ranking.key(s) > below)]
+        return newest([s for s in holders if not s.admitted], self.ranking) or newest(holders, self.ranking)
+
+    def _make_room(self) -> None:
+        """Fixes this step's ranking, then puts admitted requests of a worse priority back in the
+        queue when the best-ranked waiting request finds no room (`scheduler.displaced`)."""
+        self.ranking = Ranking(time.monotonic(), self.config.priority_aging_s)
+        decoding = [s for s in self.seqs if s.state is SeqState.DECODING]
+        prefilling = [s for s in self.seqs if s.state is SeqState.PREFILLING]
+        out = displaced(decoding, prefilling, self.config.max_batched_tokens, self.config.max_running_requests,
+                        self.ranking)
+        if out:
+            self._displace(out)
+
+    def _displace(self, requests) -> None:
+        """Puts the admitted `requests` back in the queue for a waiting request of a better
+        priority (`generation.scheduler.displaced`): each of their sequences is preempted (blocks
+        given back, prefilled again later from what is still cached) and loses its admission, so
+        it is admitted again by rank, like any waiting request."""
+        for seq in [s for s in self.seqs if s.state in LIVE and s.request_id in requests]:
+            if seq.table or seq.kv_len or seq.state is SeqState.DECODING:
+                self._preempt(seq)
+            seq.admitted = False
+        self.log.info("generator.displaced", request_ids=list(requests))
 
     def _preempt(self, victim: Sequence) -> None:
         """Gives every block of `victim` back (in the next report); it is prefilled again later,

@@ -294,11 +294,13 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
 
     def _plan(self) -> list[Planned]:
         """The next step's plan (`plan_step`); every sequence in it is admitted (running) from now
-        until it ends, a preemption included: at most `max_running_requests` requests at once."""
+        until it ends, a preemption included: at most `max_running_requests` requests at once —
+        after making room for a waiting request of a better priority (`_make_room`)."""
+        self._make_room()
         decoding = [s for s in self.seqs if s.state is SeqState.DECODING]
         prefilling = [s for s in self.seqs if s.state is SeqState.PREFILLING]
         plan = plan_step(decoding, prefilling, self.block_size, self.config.max_batched_tokens,
-                         self.config.max_running_requests)
+                         self.config.max_running_requests, self.ranking)
         for p in plan:
             p.seq.admitted = True
         return plan

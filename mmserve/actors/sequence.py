@@ -89,6 +89,16 @@ class Sequence:
         return self.request_id if self.choice == 0 else f"{self.request_id}/{self.choice}"
 
     @property
+    def priority(self) -> int:
+        """Its request's `priority` (lower first): its rank in admission and preemption."""
+        return self.handle.request.options.priority
+
+    @property
+    def arrived(self) -> float:
+        """When its request reached the runtime (monotonic seconds): its priority ages from then."""
+        return self.handle.created
+
+    @property
     def label(self) -> str | None:
         return self.job.handle.client_request_id
 

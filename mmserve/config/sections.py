@@ -251,14 +251,18 @@ def kv_cache_from_prefix_cache(values: dict, current: "KVCacheConfig", where: st
 @dataclass(frozen=True)
 class GeneratorConfig:
     max_batched_tokens: int = 2048  # tokens one forward carries: decode tokens first, then prefill chunks
-    max_running_requests: int = 256  # requests running at once (n choices count once); more wait, oldest first
+    max_running_requests: int = 256  # requests running at once (n choices count once); more wait, by priority then age
     lookup_timeout_s: float = 2.0  # a KV-cache answer slower than this is treated as a miss (or a skipped step)
+    # a request's effective priority improves by one level per this many seconds since it arrived:
+    # a request of priority p ranks ahead of any of priority q arriving (p - q + 1) × this later (no starvation)
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         w = "[generator]"
         check_int(w, "max_batched_tokens", self.max_batched_tokens, 1)
         check_int(w, "max_running_requests", self.max_running_requests, 1)
         check_number(w, "lookup_timeout_s", self.lookup_timeout_s, 0, lo_open=True)
+        check_number(w, "priority_aging_s", self.priority_aging_s, 0, lo_open=True)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ with a 400 naming it; never silently ignored:
   not rank candidates), `use_beam_search` (false only), `length_penalty` (beam search only: any
   value is accepted and, as in vLLM without beam search, unused), `prompt_logprobs` (null only
   here: `/v1/completions` computes them, `mmserve.inputs.completions`), `add_special_tokens` (false only, vLLM's
-  default for chat), `priority` (0 only: mmserve has no priority scheduling yet, so any other
-  value is a 400 saying so);
+  default for chat);
   `top_k`, `min_tokens` and `repetition_penalty` are parsed with OpenAI's own fields;
 * the chat template: `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`;
 * `echo`: the answer starts with the last message's content when that message has the answer's
@@ -24,7 +23,8 @@ with a 400 naming it; never silently ignored:
   echoed in x-request-id, never the internal id; the header wins when both are sent),
   `truncate_prompt_tokens` (the prompt's last k tokens are kept; -1 as many as the model takes;
   a prompt with images is refused rather than cut), `return_tokens_as_token_ids` (logprob tokens
-  read "token_id:N").
+  read "token_id:N"), `priority` (an integer in [PRIORITY_MIN, PRIORITY_MAX], lower first, as
+  vLLM's — honoured without any server flag: `generation.scheduler`).
 """
 
 from __future__ import annotations
@@ -41,16 +41,18 @@ from mmserve.generation.grammar import choice_grammar, grammar_for, json_schema_
 SAMPLING_FIELDS = {
     "ignore_eos", "min_p", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
     "spaces_between_special_tokens", "best_of", "use_beam_search", "length_penalty", "prompt_logprobs",
-    "add_special_tokens", "priority",
+    "add_special_tokens",
 }
 TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo"}
 STRUCTURED_ORDER = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 STRUCTURED_FIELDS = set(STRUCTURED_ORDER) | {"guided_decoding_backend"}
-REQUEST_FIELDS = {"request_id", "truncate_prompt_tokens", "return_tokens_as_token_ids"}
+REQUEST_FIELDS = {"request_id", "truncate_prompt_tokens", "return_tokens_as_token_ids", "priority"}
 VLLM_FIELDS = SAMPLING_FIELDS | TEMPLATE_FIELDS | STRUCTURED_FIELDS | REQUEST_FIELDS
 # vLLM's names of structured-output backends that mean the one mmserve has (llguidance, which
 # vLLM calls "guidance"); "auto" lets the server choose
 GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+# a request's `priority` (lower first): a 32-bit integer, as clients of vLLM send it
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")  # as the x-request-id header's
 
 MAX_STOP_TOKEN_IDS = 64
@@ -124,13 +126,6 @@ def sampling_extensions(body: dict, n: int) -> dict:
     if flag(body, "add_special_tokens", False):
         raise UnsupportedParameter("'add_special_tokens': true is not supported: the chat template adds the "
                                    "special tokens", param="add_special_tokens")
-    priority = body.get("priority")
-    if priority is not None and not _is_int(priority):
-        raise BadRequest(f"'priority' must be an integer, got {clip(priority)}", param="priority")
-    if priority not in (None, 0):
-        raise UnsupportedParameter("'priority' other than 0 is not supported yet: mmserve has no priority "
-                                   "scheduling (requests are admitted oldest first); leave it out or send 0",
-                                   param="priority")
     flag(body, "spaces_between_special_tokens", True)  # no effect with transformers 5 tokenizers
     min_p = body.get("min_p")
     if min_p is not None and not (_is_number(min_p) and 0 <= min_p <= 1):
@@ -153,6 +148,7 @@ class RequestOptions:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit
     tokens_as_ids: bool = False  # `return_tokens_as_token_ids`: logprob tokens read "token_id:N"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries usage
+    priority: int = 0  # lower first (vLLM's): orders admission and preemption (`generation.scheduler`)
 
 
 def request_options(body: dict) -> RequestOptions:
@@ -174,7 +170,12 @@ def request_options(body: dict) -> RequestOptions:
     if continuous and not opts.get("include_usage"):
         raise BadRequest("'stream_options.continuous_usage_stats' needs 'include_usage': true (as vLLM)",
                          param="stream_options.continuous_usage_stats")
-    return RequestOptions(rid, truncate, flag(body, "return_tokens_as_token_ids", False), continuous)
+    priority = body.get("priority")
+    if priority is not None and not (_is_int(priority) and PRIORITY_MIN <= priority <= PRIORITY_MAX):
+        raise BadRequest(f"'priority' must be an integer from {PRIORITY_MIN} to {PRIORITY_MAX} (lower runs first), "
+                         f"got {clip(priority)}", param="priority")
+    return RequestOptions(rid, truncate, flag(body, "return_tokens_as_token_ids", False), continuous,
+                          priority or 0)
 
 
 def _token_ids(v: Any) -> tuple[int, ...]:
