@@ -43,7 +43,9 @@ def baselines(model_dirs):
     return {p: hf_baseline(d) for p, d in model_dirs.items()}
 
 
-@pytest.mark.parametrize("preset", FAMILIES)
+# every scenario on one family in the fast suite (~9 s each); the other two with `-m slow`
+@pytest.mark.parametrize("preset", [p if p == "tiny-gemma3" else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in FAMILIES])
 def test_bench_runs_every_scenario(preset, model_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(peer_lib, "unavailable", lambda: "not installed (test)")
     params = replace(PARAMS["test"], preset=preset)

@@ -291,6 +291,8 @@ def resident_bytes() -> int:
     return kib * 1024
 
 
+# slow (~15 s): the weak-reference tests above prove the mechanism in the fast suite; this one bounds RSS
+@pytest.mark.slow
 async def test_memory_is_bounded_with_large_images(demo_config, handles):
     config = one_model(demo_config, encoder_cache={"enabled": False}, kv_cache={"prefix_caching": False})
     urls = noise_pngs(45)
