@@ -23,6 +23,7 @@ from mmserve.cli import build_parser
 NO_PEER = tuple(s for s in ALL_SCENARIOS if s != "peer")
 
 
+@pytest.mark.slow  # every scenario runs on tiny-gemma3 in the fast suite (test_bench_families)
 def test_bench_runs_every_scenario_on_tiny_qwen(tmp_path, monkeypatch):
     monkeypatch.setattr(peer_lib, "unavailable", lambda: "not installed (test)")
     params = replace(PARAMS["test"], preset="tiny-qwen", scenarios=NO_PEER)

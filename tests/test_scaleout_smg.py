@@ -226,6 +226,7 @@ def test_cache_aware_routing_splits_by_system_prompt(gateway, replicas):
     assert all(n > 0 for n in cached["A"][1:] + cached["B"][1:]), cached
 
 
+@pytest.mark.slow  # keeps make test under 10 minutes; run with -m slow
 def test_a_replica_over_the_token_usage_ceiling_sheds_its_group(gateway, replicas):
     """SMG runs with --overload-token-usage-threshold 0.5: while one long answer holds more than half
     of its replica's arena (as that replica's /v1/loads says), the next request of its conversation
@@ -347,6 +348,7 @@ class ReplicaProcess:
         return self.proc.wait()
 
 
+@pytest.mark.slow  # keeps make test under 10 minutes; run with -m slow
 def test_smg_api_key_reaches_a_keyed_replica():
     """With `[auth] api_keys` on the replica, /v1/loads needs the key (it is under /v1/), and SMG's
     `--api-key` is what it sends: it reads the replica's load and its chats are answered."""

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from mmserve.runtime.stream import ChatStream
 from mmserve.trace import COMPLETION_ID_PREFIX, TEXT_COMPLETION_ID_PREFIX, main as trace
 
@@ -84,6 +86,7 @@ def test_a_terminal_stdin_is_refused_with_a_hint_not_waited_on():
     assert proc.returncode == 2 and "--log FILE" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
+@pytest.mark.slow  # a CLI subprocess (~7 s); keeps make test under 10 minutes
 def test_a_closed_pipe_ends_it_quietly(tmp_path):
     log = tmp_path / "server.log"
     step = {"event": "generator.step", "request_ids": [RID], "actor": "generator", "level": "info"}

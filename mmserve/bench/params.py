@@ -98,6 +98,6 @@ TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_token
                host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8,
                prefill_tokens=(8, 16), prefill_repeats=1, retention_requests=16, retention_samples=4,
                retention_settle=4, retention_concurrency=2, retention_encoder_entries=4,
-               retention_kv_budget_bytes=256 * 1024, retention_fill_max=64)
+               retention_kv_budget_bytes=256 * 1024, retention_fill_max=16)
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}
