@@ -123,12 +123,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         if not self.seqs:
             with trio.move_on_after(1.0):
                 self._on_message(await self.inbox.receive())
-        while True:
-            try:
-                self._on_message(self.inbox.receive_nowait())
-            except trio.WouldBlock:
-                break
-        self._prune()
+        self._take_waiting()
 
     def _take_waiting(self) -> None:
         """Takes the messages already waiting, without waiting for one (between chained steps)."""
