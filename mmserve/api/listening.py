@@ -2,13 +2,12 @@
 
 Bound first, an address already in use is one clear error (`CannotListen`) within milliseconds;
 bound by hypercorn, it was an OSError inside three nested exception groups, and only after every
-model had loaded. The bound sockets are then handed to hypercorn as `fd://` binds.
+model had loaded. The bound sockets are then served by `api.connections.serve_capped`.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import socket
 
 from hypercorn.config import Config as HypercornConfig
@@ -39,9 +38,3 @@ def why_not(host: str, port: int, err: OSError) -> str:
     else:
         reason = err.strerror or str(err)
     return f"cannot listen on {address}: {reason}"
-
-
-def fd_binds(sockets: list[socket.socket]) -> list[str]:
-    """Hypercorn binds that serve on `sockets`: each a duplicate of the descriptor, which hypercorn
-    owns (and closes when it stops); the originals stay the caller's to close."""
-    return [f"fd://{os.dup(sock.fileno())}" for sock in sockets]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from mmserve.api.app import create_app
-from mmserve.api.listening import bind, fd_binds
+from mmserve.api.connections import ConnectionCap, connection_limit, serve_capped
+from mmserve.api.listening import bind
 from mmserve.logs import get_logger
 from mmserve.config import Config
 from mmserve.runtime.runtime import Runtime
@@ -40,6 +40,8 @@ async def serve(config: Config, *, shutdown: trio.Event | None = None, on_runtim
             if on_runtime is not None:
                 on_runtime(rt)
             app = _close_safely(create_app(rt))
+            cap = ConnectionCap(connection_limit(config.server.max_connections))
+            rt.metrics.registry.register(cap)
             closed = trio.Event()
 
             async def drain_then_close() -> None:
@@ -50,11 +52,10 @@ async def serve(config: Config, *, shutdown: trio.Event | None = None, on_runtim
             async with trio.open_nursery() as nursery:
                 if shutdown is not None:
                     nursery.start_soon(drain_then_close)
-                hc.bind = fd_binds(sockets)
-                binds = await nursery.start(lambda task_status: hypercorn_serve(
-                    app, hc, shutdown_trigger=closed.wait if shutdown is not None else None,
-                    task_status=task_status, mode="asgi"))
-                log.info("http.listening", urls=binds, models=rt.registry.names())
+                binds = await nursery.start(lambda task_status: serve_capped(
+                    app, hc, sockets, cap, shutdown_trigger=closed.wait if shutdown is not None else None,
+                    task_status=task_status))
+                log.info("http.listening", urls=binds, models=rt.registry.names(), max_connections=cap.limit)
                 task_status.started(binds)
     finally:
         for sock in sockets:

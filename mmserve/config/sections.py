@@ -57,6 +57,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # a request's whole body must arrive within this of its headers (else 408)
     max_bodies_in_flight: int = 256  # requests whose body is being received or parsed; more get 503
     max_body_bytes_in_flight: int = 256 * 1024 * 1024  # bytes of those bodies together; beyond, 503
+    max_connections: int | str = "auto"  # connections open at once; more wait in the listen backlog (api.connections)
 
     def __post_init__(self) -> None:
         w = "[server]"
@@ -67,6 +68,8 @@ class ServerConfig:
         check_number(w, "keep_alive_timeout_s", self.keep_alive_timeout_s, 0, lo_open=True)
         check_number(w, "body_timeout_s", self.body_timeout_s, 0, lo_open=True)
         check_int(w, "max_bodies_in_flight", self.max_bodies_in_flight, 1)
+        if self.max_connections != "auto":
+            check_int(w, "max_connections", self.max_connections, 1, bound='of at least 1, or "auto"')
         # one body of the largest accepted size must fit, or such a request could never be served
         check_int(w, "max_body_bytes_in_flight", self.max_body_bytes_in_flight, self.max_body_bytes,
                   bound=f"of at least max_body_bytes ({self.max_body_bytes})")
