@@ -29,7 +29,7 @@ from mmserve.actors.answers import Answers
 from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
     FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
-from mmserve.actors.step_fences import StepFences
+from mmserve.actors.step_fences import StepFences, written_blocks
 from mmserve.actors.step_build import StepBuild, StepBuilding
 from mmserve.actors.step_overlap import StepOverlap, origin
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
@@ -38,6 +38,7 @@ from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, 
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.errors import MMServeError, ServiceUnavailable
+from mmserve.generation.write_fence import STEP_IDS
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.step_sampling import Sampled, sample_rows_and
@@ -79,7 +80,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
         self.reencoded_images = 0  # images preempted sequences encoded again (their cached KV was gone)
         self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
-        self._step_ids = itertools.count()  # each step's own number: the quarantine of an abandoned one
+        self._step_ids = STEP_IDS  # each step's own number (the quarantine of an abandoned one): one space with the fence's writers
         self.kv_epoch: int | None = None  # the latest life of the cache manager heard of
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
@@ -307,14 +308,22 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         """Forked choices' block copies, then one forward over every planned sequence's new tokens
         (`built`: its inputs, built beforehand), then one batched sample of those that need a token
         (their grammar masks computed beside the forward). A failure of one sequence's own work is
-        reported for it alone."""
+        reported for it alone. All of it inside the runner's write fence: tables granted in an
+        earlier life of the cache manager than the fence's at entry write nothing, and if a new
+        life begins meanwhile, it holds every block this step may write until it returns."""
+        with self.runner.fence.writing(lambda: written_blocks(plan, copies)) as epoch:
+            return self._fenced_step(plan, copies, incarnation, built, epoch)
+
+    def _fenced_step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int,
+                     built: StepBuild | None, epoch: int | None) -> list:
+        def void(seq) -> bool:  # its table was granted in an earlier life of the manager
+            return seq.epoch is not None and epoch is not None and seq.epoch != epoch
         if incarnation == self._incarnation:  # not abandoned: no block was released under it
             for c in copies:  # before any forward writes: the copy source may be written from now on
-                if c.child.state in LIVE and c.target in c.child.table:
+                if c.child.state in LIVE and c.target in c.child.table and not void(c.child):
                     self.runner.copy_block(c.source, c.target)
         carried, self._carried = self._carried, {}  # the tokens the previous step sampled (overlap)
-        if built is None or any(p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch
-                                for p in plan):  # (the epoch fence is checked here, on the thread that writes)
+        if built is None or any(void(p.seq) for p in plan):
             built = self._inputs(plan)
         results, rows, ids, images, segments, positions, scoring, spans = (
             list(built.results), built.rows, list(built.ids), built.images, built.segments, built.positions,

@@ -87,16 +87,15 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
         self.lease: int | None = None  # the generator's reservation lease (None: none in this life yet)
         self.broken: set[str] = set()  # requests a draw was refused for: their tables are not trusted
         self.epoch += 1
-        if self.kv is not None:  # a step of an earlier epoch no longer writes (see `_restore`)
-            self.kv.epoch = self.epoch
         for step, blocks in self.quarantined.items():  # an abandoned step writes on, whatever life this is
             self.arena.hold(StepFence(step), blocks)
+        self._fence_writers()  # and so does any writer of the arena still in flight: held until it returns
 
     def attach_kv(self, runner) -> None:
         """The generator's model runner: its arena's epoch is this manager's life from now on (the
         fence a step checks before it writes, shared tier or not); exports and restores use it."""
         self.kv = runner
-        runner.epoch = self.epoch
+        self._fence_writers()
 
     async def run(self) -> None:
         if self.epoch > 1 and self.generator is not None:  # restarted: the generator's tables are void
@@ -337,18 +336,18 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
         self._answer(msg, waited_since, restored)
 
     async def _write_restored(self, pin: str, hashes, local: int, tensors) -> int:
-        """Fresh blocks for the found KV, written on the compute thread: after any step that was
-        running, and before any later one. A step checks the arena's epoch when it starts, so a
-        step of an earlier epoch (whose void tables may name these very blocks) never writes
-        after this; within one epoch nobody else writes fresh blocks."""
+        """Fresh blocks for the found KV, written on the compute thread inside the runner's write
+        fence: a writer of an earlier life still in flight holds its blocks in quarantine (so they
+        cannot be these), and the restore writes nothing if this life ends before it starts."""
         n = min(len(tensors), self.arena.num_free())
         taken = self.arena.allocate_evicting(pin, n)
         if evicted := [(b, h) for b, h in taken if h is not None]:
             self.log.info("prefix_cache.evict", request_id=pin, blocks=[b for b, _ in evicted],
                           hashes=[key_prefix(h) for _, h in evicted])
-        kv = self.kv
-        kv.epoch = self.epoch
-        await compute.run(kv.write_blocks, [block for block, _ in taken], tensors[:n], owner=self.key)
+        written = await compute.run(self.kv.write_blocks, [block for block, _ in taken], tensors[:n], self.epoch,
+                                    owner=self.key)
+        if not written:  # this life ended meanwhile (its tables went with it): nothing was written
+            raise RuntimeError("the cache manager restarted during the restore")
         for i in range(n):
             self.arena.commit(pin, local + i, hashes[local + i])
         self.shared_restored += n

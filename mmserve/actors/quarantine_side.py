@@ -1,8 +1,11 @@
 """The manager's half of the step fence (a part of `PrefixCacheManager`): the blocks a step the
-generator abandoned may still write are held under `StepFence(step)` — never allocated, kept
-across the manager's restarts — until that step's `StepReturned` (see `actors.step_fences`)."""
+generator abandoned may still write — or any writer of the arena still in flight when the manager
+starts a new life (`generation.write_fence`) — are held under `StepFence(step)`: never allocated,
+kept across the manager's restarts, until that step's `StepReturned` (see `actors.step_fences`)."""
 
 from __future__ import annotations
+
+import trio
 
 from mmserve.actors.messages import Quarantine, StepFence, StepReturned
 
@@ -34,6 +37,31 @@ class QuarantineSide:
         self.arena.free(StepFence(msg.step))
         self.log.info("prefix_cache.quarantine_released", step=msg.step, blocks=list(blocks),
                       quarantined_blocks=self.quarantined_blocks)
+
+    def _fence_writers(self) -> None:
+        """This life begins on the runner's write fence (`generation.write_fence`): a writer of the
+        arena still in flight from an earlier life — a step, a restore — is quarantined like an
+        abandoned step, before anything of this life is granted, until it returns."""
+        if self.kv is None:
+            return
+        for writer, blocks in self.kv.fence.new_epoch(self.epoch, self._returned_sender()):
+            self._quarantine(Quarantine(writer, blocks))
+
+    def _returned_sender(self):
+        """`on_return` for the fence (called on the writer's thread): `StepReturned` to this inbox."""
+        token, inbox = trio.lowlevel.current_trio_token(), self.inbox_send
+
+        def returned(writer: int) -> None:
+            def deliver() -> None:
+                try:
+                    inbox.send_nowait(StepReturned(writer))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                    pass  # the manager is gone, and its arena with it
+            try:
+                token.run_sync_soon(deliver)
+            except trio.RunFinishedError:
+                pass  # the process is ending: nobody will grant those blocks again
+        return returned
 
     @property
     def quarantined_blocks(self) -> int:

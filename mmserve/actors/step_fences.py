@@ -11,6 +11,12 @@ from mmserve.actors.messages import Quarantine, StepReturned
 from mmserve.generation.scheduler import Planned
 
 
+def written_blocks(plan: list[Planned], copies) -> tuple[int, ...]:
+    """Every block a step may write: its sequences' tables (only their new tokens' blocks are
+    written, the rest read) and its block copies' targets."""
+    return tuple(dict.fromkeys([b for p in plan for b in p.seq.table] + [c.target for c in copies]))
+
+
 class StepFences:
     """Generator methods: what to do if a step is abandoned (`compute.run`'s `if_abandoned`)."""
 
@@ -36,7 +42,7 @@ class StepFences:
                 pass  # the process is ending: nobody will grant those blocks again
 
         def abandoned():  # in the cancelled generator, before anything it holds is released
-            written = tuple(dict.fromkeys([b for p in plan for b in p.seq.table] + [c.target for c in copies]))
+            written = written_blocks(plan, copies)
             self.log.warning("generator.step_abandoned", step=step, blocks=len(written),
                              request_ids=[p.seq.request_id for p in plan])
             self._note(Quarantine(step, written))

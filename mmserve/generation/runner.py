@@ -40,6 +40,7 @@ import torch
 from mmserve.attention import AttentionBackend, ModelFeatures, PagedMetadata, select
 from mmserve.generation.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
 from mmserve.generation.mixed_step import MixedBuffers, token_buckets
+from mmserve.generation.write_fence import WriteFence
 from mmserve.models.paged import KVArena, PagedBatch, Segment
 from mmserve.models.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, \
     step_positions, use_paged_attention
@@ -86,6 +87,7 @@ class ModelRunner:
         self.backend.check(features)
         static = self.backend.capturable
         self.kv = KVArena.for_model(adapter, kv_budget_bytes, block_size, spare_blocks=1 if static else 0)
+        self.fence = WriteFence(self.kv)  # every write of the arena happens inside `fence.writing`
         self.block_size = block_size
         use_paged_attention(adapter)
         limit = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 1 << 30)
@@ -147,12 +149,9 @@ class ModelRunner:
 
     @property
     def epoch(self) -> int | None:
-        """The cache manager's life whose tables may write the arena (`KVArena.epoch`)."""
+        """The cache manager's life whose tables may write the arena (`KVArena.epoch`; moved only
+        by `fence.new_epoch`)."""
         return self.kv.epoch
-
-    @epoch.setter
-    def epoch(self, value: int | None) -> None:
-        self.kv.epoch = value
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -168,9 +167,14 @@ class ModelRunner:
     def copy_block(self, src: int, dst: int) -> None:
         self.kv.copy_block(src, dst)
 
-    def write_blocks(self, blocks: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
-        """A shared-tier restore (on the compute thread: between steps)."""
-        self.kv.write_blocks(blocks, tensors)
+    def write_blocks(self, blocks: Sequence[int], tensors: Sequence[torch.Tensor], epoch: int | None = None) -> bool:
+        """A shared-tier restore (on the compute thread: between steps) into `blocks`, granted in
+        the manager's life `epoch`: False, writing nothing, when a later life has begun."""
+        with self.fence.writing(lambda: blocks) as now:
+            if epoch is not None and now != epoch:
+                return False
+            self.kv.write_blocks(blocks, tensors)
+        return True
 
     def read_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
         return self.kv.read_blocks(blocks)
