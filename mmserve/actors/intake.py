@@ -29,6 +29,7 @@ from mmserve.config import KVCacheConfig, LimitsConfig
 from mmserve.inputs.images import data_url_bytes, open_image, processor_rgb
 from mmserve.inputs.remote_images import fetch_images, is_remote_url
 from mmserve.inputs.request import ChatRequest, ImagePart, RawPrompt, TextPart
+from mmserve.inputs.text_bound import fewest_tokens
 from mmserve.inputs.tools import hf_tool_calls
 
 
@@ -123,6 +124,11 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
     fault("intake.prepare", label)
     for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
         check_image_size(adapter.image_processor, img.width, img.height, limits, where)
+    param = "messages" if request.prompt is None else "prompt"
+    max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
+    if request.options.truncate_prompt_tokens is None:  # before the tokenizer pays for a text too long
+        refuse_prompt_tokens(adapter, fewest_tokens(request, adapter.tokenizer), limits, max_pos, param,
+                             at_least=True)
     if request.prompt is not None:  # /v1/completions: the raw prompt, no chat template
         prompt = adapter.tokenize_raw(raw_prompt_ids(adapter, request.prompt))
     else:
@@ -130,20 +136,24 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
                                   request.template.render_args() or None)
         keys = tuple(adapter.image_key(img) for img in images)
         prompt = dataclasses.replace(prompt, mm_keys=keys)
-    param = "messages" if request.prompt is None else "prompt"
-    max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
     if request.options.truncate_prompt_tokens is not None:
         prompt = truncated(adapter, prompt, request.options.truncate_prompt_tokens, limits, max_pos)
-    if len(prompt.input_ids) > limits.max_prompt_tokens:
-        raise BadRequest(
-            f"the prompt is {len(prompt.input_ids)} tokens, above this server's limit of "
-            f"{limits.max_prompt_tokens}", param=param, code="context_length_exceeded")
-    if max_pos and len(prompt.input_ids) >= max_pos:
-        raise BadRequest(
-            f"the prompt is {len(prompt.input_ids)} tokens; model {adapter.name!r} has a context "
-            f"of {max_pos}", param=param, code="context_length_exceeded")
+    refuse_prompt_tokens(adapter, len(prompt.input_ids), limits, max_pos, param)
     refuse_prompt_beyond_arena(len(prompt.input_ids), arena_tokens, param)
     return prompt
+
+
+def refuse_prompt_tokens(adapter: Adapter, tokens: int, limits: LimitsConfig, max_pos: int, param: str,
+                         at_least: bool = False) -> None:
+    """A prompt of `tokens` tokens (`at_least`: of that many or more, known from its text's size
+    before it is tokenized, `inputs.text_bound`) above the server's limit or the model's context."""
+    count = f"at least {tokens} tokens (from its text's size)" if at_least else f"{tokens} tokens"
+    if tokens > limits.max_prompt_tokens:
+        raise BadRequest(f"the prompt is {count}, above this server's limit of {limits.max_prompt_tokens}",
+                         param=param, code="context_length_exceeded")
+    if max_pos and tokens >= max_pos:
+        raise BadRequest(f"the prompt is {count}; model {adapter.name!r} has a context of {max_pos}",
+                         param=param, code="context_length_exceeded")
 
 
 def truncated(adapter: Adapter, prompt: PromptInputs, keep: int, limits: LimitsConfig, max_pos: int) -> PromptInputs:
