@@ -21,6 +21,7 @@ import json
 import math
 import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,8 @@ from tests.helpers import ServerThread
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "fixtures" / "lm_eval"
-DOCS = sum(1 for line in (TASKS / "colours.jsonl").read_text().splitlines() if line.strip())
-CHOICES = 3  # each doc's choices (the multiple-choice task asks one log-likelihood per choice)
+DOCS = [json.loads(line) for line in (TASKS / "colours.jsonl").read_text().splitlines() if line.strip()]
+CHOICES = sum(len(doc["choices"]) for doc in DOCS)  # the multiple-choice task: a log-likelihood a choice
 MAX_GEN_TOKS = 8  # mmserve_colours_gen.yaml's generation_kwargs
 
 
@@ -74,13 +75,14 @@ def served():
         return asgi
 
     config = on_device(Config(models=(ModelConfig("demo", _demo_dir("demo"), default=True),)))
-    patch = pytest.MonkeyPatch()
-    patch.setattr(server_module, "create_app", recording_app)
+    server = ServerThread(config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server_module, "create_app", recording_app)
+        server.__enter__()  # the app is made before the socket opens: the patch ends once it listens
     try:
-        with ServerThread(config) as server:
-            yield server, answered
+        yield server, answered
     finally:
-        patch.undo()
+        server.__exit__(None, None, None)
 
 
 def start_lm_eval(command: str, model: str, base_url: str, tasks: str, out: Path, *extra: str) -> subprocess.Popen:
@@ -98,6 +100,18 @@ def finished(proc: subprocess.Popen) -> str:
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-6000:]
     return output
+
+
+@contextmanager
+def killed_on_exit(*procs: subprocess.Popen):
+    """The processes, killed if any is still running when the block ends (a failure or a time-out)."""
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def results_and_samples(out: Path) -> tuple[dict, dict[str, dict[int, dict]]]:
@@ -121,8 +135,9 @@ def runs(served, tmp_path_factory):
                                 "mmserve_colours_mc,mmserve_colours_gen", completions_out)
     chat = start_lm_eval(command, "local-chat-completions", server.url + "/v1/chat/completions",
                          "mmserve_colours_gen", chat_out, "--apply_chat_template")
-    return {"local-completions": (finished(completions), completions_out),
-            "local-chat-completions": (finished(chat), chat_out)}
+    with killed_on_exit(completions, chat):
+        return {"local-completions": (finished(completions), completions_out),
+                "local-chat-completions": (finished(chat), chat_out)}
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +165,12 @@ def test_local_completions_uses_the_servers_tokenizer_and_scores_as_transformers
     assert "Auto-detected remote tokenizer support" in output and "Using tokenizer remote" in output, output[-3000:]
     results, samples = results_and_samples(out)
     for task, metric in (("mmserve_colours_mc", "acc,none"), ("mmserve_colours_gen", "exact_match,none")):
-        assert results["n-samples"][task]["effective"] == DOCS and len(samples[task]) == DOCS
+        assert results["n-samples"][task]["effective"] == len(DOCS) and len(samples[task]) == len(DOCS)
         assert 0 <= results["results"][task][metric] <= 1
 
     tokenizer, model = hf
     for doc_id, sample in samples["mmserve_colours_mc"].items():
-        assert len(sample["resps"]) == CHOICES, sample
+        assert len(sample["resps"]) == len(DOCS[doc_id]["choices"]), sample
         for (context, continuation), [(loglikelihood, greedy)] in zip(
                 ([a["arg_0"], a["arg_1"]] for a in sample["arguments"].values()), sample["resps"]):
             # lm-eval's split (api/model.py _encode_pair): the whole text's tokens, the context's first
@@ -172,13 +187,14 @@ def test_local_completions_uses_the_servers_tokenizer_and_scores_as_transformers
         context, kwargs = sample["arguments"]["gen_args_0"]["arg_0"], sample["arguments"]["gen_args_0"]["arg_1"]
         assert kwargs["until"] == ["\n"] and kwargs["max_gen_toks"] == MAX_GEN_TOKS
         ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        assert sample["resps"] == [[hf_greedy(tokenizer, model, ids, "\n")]], doc_id
+        want = hf_greedy(tokenizer, model, ids, "\n")
+        assert sample["resps"] == [[want]] and want.strip(), doc_id
 
 
 def test_local_chat_completions_gets_the_chat_templates_answers(runs, hf):
     output, out = runs["local-chat-completions"]
     results, samples = results_and_samples(out)
-    assert results["n-samples"]["mmserve_colours_gen"]["effective"] == DOCS
+    assert results["n-samples"]["mmserve_colours_gen"]["effective"] == len(DOCS)
     tokenizer, model = hf
     for doc_id, sample in samples["mmserve_colours_gen"].items():
         (chat,) = sample["arguments"]["gen_args_0"]["arg_0"]  # --apply_chat_template: the messages, as JSON
@@ -186,7 +202,8 @@ def test_local_chat_completions_gets_the_chat_templates_answers(runs, hf):
         assert messages[-1]["role"] == "user", messages
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         # the chat path strips the template's lead (" ") from the answer, as tests/test_completions.py shows
-        assert sample["resps"] == [[hf_greedy(tokenizer, model, ids, "\n").strip()]], doc_id
+        want = hf_greedy(tokenizer, model, ids, "\n").strip()
+        assert sample["resps"] == [[want]] and want, doc_id
 
 
 def test_the_server_answered_the_tokenizer_routes_lm_eval_asked_for(runs, served):
@@ -197,5 +214,5 @@ def test_the_server_answered_the_tokenizer_routes_lm_eval_asked_for(runs, served
     assert {("GET", "/tokenizer_info"), ("POST", "/tokenize")} <= asked, asked
     count = lambda path: sum(1 for _, p, _ in answered if p == path)  # noqa: E731
     # one request a choice (log-likelihood) and one a doc (generation); the chat run: one a doc
-    assert count("/v1/completions") == DOCS * CHOICES + DOCS and count("/v1/chat/completions") == DOCS
-    assert count("/tokenize") >= DOCS * CHOICES  # every context and continuation, tokenized by the server
+    assert count("/v1/completions") == CHOICES + len(DOCS) and count("/v1/chat/completions") == len(DOCS)
+    assert count("/tokenize") >= CHOICES  # every context and continuation, tokenized by the server
