@@ -6,14 +6,14 @@ STAMP := $(VENV)/.installed
 STAMP_DEV := $(VENV)/.installed-dev
 # lm-eval (EleutherAI's harness) in an environment of its own, for tests/test_lm_eval_live.py: it
 # runs `lm_eval --model local-completions` / `local-chat-completions` against a live server with
-# only base_url and model (issue 41). Not in the dev extra, although it moves none of its pins (a
-# dry run into .venv only adds packages): it adds ~45 packages that nothing else here uses (datasets,
-# pyarrow, pandas, scipy, scikit-learn, nltk, evaluate, ...) to the environment the whole suite
-# imports from, where transformers changes what it imports when some of them are present, and every
-# later lm-eval release would be resolved together with torch/transformers/triton/smg. Its own
-# environment has no torch and no transformers, so whatever lm-eval tokenizes, the server tokenized.
-# Cost: ~760 MB and about 80 s from the local wheel cache on the 2-core machine (measured, pip
-# upgrade included). The version is in the stamp's name: changing it reinstalls.
+# only base_url and model (issue 41). Not in the dev extra, although a dry run into .venv moves none
+# of its pins (it only adds packages): lm-eval[api] brings ~45 packages nothing else here uses
+# (datasets, pyarrow, pandas, scipy, scikit-learn, nltk, evaluate, aiohttp, ...) into the
+# environment the whole suite imports from, and every later lm-eval release would be resolved
+# together with the torch/transformers/triton/smg pins. Its own environment also proves more: it has
+# no torch, transformers or tokenizers, so whatever lm-eval tokenizes, the server tokenized.
+# Cost, measured on the 2-core machine from the local wheel cache: ~760 MB, 62 s (80 s when busy),
+# pip's upgrade included. The version is in the stamp's name: changing it reinstalls.
 LMEVAL_VERSION := 0.4.13
 LMEVAL_VENV := .venv-lmeval
 STAMP_LMEVAL := $(LMEVAL_VENV)/.installed-$(LMEVAL_VERSION)
