@@ -40,6 +40,7 @@ CHOICES = sum(len(doc["choices"]) for doc in DOCS)  # the multiple-choice task: 
 MAX_GEN_TOKS = 8  # mmserve_colours_gen.yaml's generation_kwargs
 
 
+@pytest.fixture(scope="module")
 def lm_eval_command() -> str:
     """`make test` names the command in MMSERVE_LM_EVAL: named, it must exist (a missing environment
     fails, never skips). Unnamed (a test file run by hand), the worktree's .venv-lmeval, else a skip."""
@@ -125,11 +126,11 @@ def results_and_samples(out: Path) -> tuple[dict, dict[str, dict[int, dict]]]:
 
 
 @pytest.fixture(scope="module")
-def runs(served, tmp_path_factory):
+def runs(lm_eval_command, served, tmp_path_factory):
     """Both lm-eval runs, at once (each spends most of its time indexing lm-eval's own task YAMLs,
-    on one core): their outputs and result folders."""
+    on one core): their outputs and result folders. (lm_eval_command first: a skip starts no server.)"""
     server, _ = served
-    command = lm_eval_command()
+    command = lm_eval_command
     completions_out, chat_out = tmp_path_factory.mktemp("lm-eval-completions"), tmp_path_factory.mktemp("lm-eval-chat")
     completions = start_lm_eval(command, "local-completions", server.url + "/v1/completions",
                                 "mmserve_colours_mc,mmserve_colours_gen", completions_out)
