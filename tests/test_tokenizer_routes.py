@@ -1,9 +1,10 @@
 """vLLM's tokenizer routes (`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`) over a
 real socket against the demo model: the model's own tokenizer and chat template, a chat's images
 counted as the model sees them, vLLM's shapes — and the calls lm-eval 0.4's `RemoteTokenizer`
-makes when it is given only `base_url` and `model` (lm-eval is not installed here: its protocol
-is replayed as its source makes it — `/tokenizer_info` must hold `eos_token`, `/tokenize` takes
-`{"prompt", "add_special_tokens": false}` and answers `tokens`, `/detokenize` answers `prompt`)."""
+makes when it is given only `base_url` and `model`, replayed as its source makes them —
+`/tokenizer_info` must hold `eos_token`, `/tokenize` takes `{"prompt", "add_special_tokens":
+false}` and answers `tokens`, `/detokenize` answers `prompt` (lm-eval itself runs live against a
+server in tests/test_lm_eval_live.py, from its own environment; this replay needs none)."""
 
 from __future__ import annotations
 
