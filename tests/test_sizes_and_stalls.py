@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import structlog
@@ -127,4 +128,38 @@ async def test_a_real_shape_checkpoint_answers_an_image_request_with_the_default
         assert kv.num_blocks * kv.block_size > 1429  # the one-image prompt fits the auto-sized arena
         answer = await rt.chat_completion(ask(render_image("red", "circle", seed=1)), max_tokens=1)
     assert answer.usage.completion_tokens == 1 and answer.usage.prompt_tokens > 1000
+    assert not any(s.restarts for s in rt.supervisor.states.values())
+
+
+def _available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/meminfo").exists() or _available_gib() < 17,
+                    reason="a 7B checkpoint in bfloat16 needs ~16 GiB of free memory")
+async def test_a_7b_checkpoint_answers_an_image_request_with_the_defaults(tmp_path, capsys):
+    """Qwen2.5-VL-7B's shape (random weights, drawn at load: 8.3B parameters, 15.5 GiB in bfloat16)
+    with nothing configured but the model, on a 2-core CPU: it loads in bfloat16, its arena is sized
+    from what memory is left, and one image request is answered (minutes: every layer's heartbeat
+    keeps the 30 s stall limit from taking slow for dead)."""
+    from mmserve.models.demo import build_untrained
+
+    path = build_untrained("qwen2.5-vl-7b", tmp_path / "qwen2.5-vl-7b", seed=0, random_weights=True)
+    config = Config(models=(ModelConfig("q7", str(path)),))  # every other key its default
+    t0 = time.monotonic()
+    async with Runtime.open(config) as rt:
+        loaded_s = time.monotonic() - t0
+        loaded = rt.registry.loaded["q7"]
+        assert loaded.adapter.dtype == torch.bfloat16
+        kv = loaded.generator.runner.kv
+        t1 = time.monotonic()
+        photo = render_image("red", "circle", seed=1, size=(448, 448))  # 256 image tokens
+        answer = await rt.chat_completion(ask(photo), max_tokens=2)
+        answered_s = time.monotonic() - t1
+    with capsys.disabled():
+        print(f"\nqwen2.5-vl-7b shape, defaults: loaded in {loaded_s:.0f} s, arena {kv.num_blocks * kv.block_size} "
+              f"tokens; {answer.usage.prompt_tokens} prompt tokens answered in {answered_s:.0f} s")
+    assert answer.usage.completion_tokens == 2 and answer.usage.prompt_tokens > 256
     assert not any(s.restarts for s in rt.supervisor.states.values())
