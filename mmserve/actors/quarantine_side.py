@@ -5,9 +5,8 @@ kept across the manager's restarts, until that step's `StepReturned` (see `actor
 
 from __future__ import annotations
 
-import trio
-
 from mmserve.actors.messages import Quarantine, StepFence, StepReturned
+from mmserve.actors.step_fences import step_returned_sender
 
 
 class QuarantineSide:
@@ -44,24 +43,8 @@ class QuarantineSide:
         abandoned step, before anything of this life is granted, until it returns."""
         if self.kv is None:
             return
-        for writer, blocks in self.kv.fence.new_epoch(self.epoch, self._returned_sender()):
+        for writer, blocks in self.kv.fence.new_epoch(self.epoch, step_returned_sender(self.inbox_send)):
             self._quarantine(Quarantine(writer, blocks))
-
-    def _returned_sender(self):
-        """`on_return` for the fence (called on the writer's thread): `StepReturned` to this inbox."""
-        token, inbox = trio.lowlevel.current_trio_token(), self.inbox_send
-
-        def returned(writer: int) -> None:
-            def deliver() -> None:
-                try:
-                    inbox.send_nowait(StepReturned(writer))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                    pass  # the manager is gone, and its arena with it
-            try:
-                token.run_sync_soon(deliver)
-            except trio.RunFinishedError:
-                pass  # the process is ending: nobody will grant those blocks again
-        return returned
 
     @property
     def quarantined_blocks(self) -> int:

@@ -11,6 +11,24 @@ from mmserve.actors.messages import Quarantine, StepReturned
 from mmserve.generation.scheduler import Planned
 
 
+def step_returned_sender(manager: trio.MemorySendChannel):
+    """`send(step)`, callable from any thread (a compute thread, as a step settles): `StepReturned(step)`
+    to the manager's inbox, through the event loop of the caller of this function."""
+    token = trio.lowlevel.current_trio_token()
+
+    def send(step: int) -> None:
+        def deliver() -> None:
+            try:
+                manager.send_nowait(StepReturned(step))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                pass  # the manager is gone, and its arena with it
+        try:
+            token.run_sync_soon(deliver)
+        except trio.RunFinishedError:
+            pass  # the process is ending: nobody will grant those blocks again
+    return send
+
+
 def written_blocks(plan: list[Planned], copies) -> tuple[int, ...]:
     """Every block a step may write: its sequences' tables (only their new tokens' blocks are
     written, the rest read) and its block copies' targets."""
@@ -28,18 +46,10 @@ class StepFences:
         compute thread's call really finished, or dropped unrun) ends the quarantine. `copies`: the
         step's block copies (None: the generator's pending ones)."""
         step, copies = next(self._step_ids), list(self._copies if copies is None else copies)
-        token, manager = trio.lowlevel.current_trio_token(), self.cache_manager
+        report_return = step_returned_sender(self.cache_manager)
 
         def returned() -> None:  # on the compute thread (or wherever the step settles)
-            def deliver() -> None:
-                try:
-                    manager.send_nowait(StepReturned(step))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                    pass  # the manager is gone, and its arena with it
-            try:
-                token.run_sync_soon(deliver)
-            except trio.RunFinishedError:
-                pass  # the process is ending: nobody will grant those blocks again
+            report_return(step)
 
         def abandoned():  # in the cancelled generator, before anything it holds is released
             written = written_blocks(plan, copies)
