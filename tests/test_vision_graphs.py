@@ -142,6 +142,17 @@ def test_without_buckets_the_tower_stays_eager(family):
     assert off.eager_reasons == {"static_off": 1} and not off.static_runs
 
 
+def test_views_of_another_size_take_the_eager_tower(checkpoints):
+    """A processor set to another resolution than the tower's: the static path hands the call to the
+    eager tower (which refuses it, as it always did), counted as `view_shape`."""
+    adapter = load_adapter("vision-llava-size", checkpoints["llava"], device=DEVICE)
+    path = VisionPath(adapter, BUCKETS)
+    c, h, w = path.static.tower.view_shape
+    with pytest.raises(ValueError, match="size"):
+        path.encode([torch.randn(c, 2 * h, 2 * w)])
+    assert path.eager_reasons == {"view_shape": 1} and not path.static_runs
+
+
 def test_a_family_whose_views_change_shape_stays_eager(tiny_qwen_dir):
     """Qwen2-VL's native-resolution patches: no fixed tower, so buckets or not its tower is eager."""
     from PIL import Image
@@ -178,7 +189,8 @@ async def test_runtime_answers_the_same_with_the_static_tower(checkpoints):
     from tests.helpers import image_part
 
     def question(i: int) -> list[dict]:
-        images = [render_image(c, "circle", seed=i, size=(48 + 8 * i, 40)) for c in ("red", "blue", "green")[:1 + i % 3]]
+        colours = ("red", "blue", "green")[:1 + i % 3]
+        images = [render_image(c, "circle", seed=i, size=(48 + 8 * i, 40)) for c in colours]
         return [{"role": "user", "content": [*map(image_part, images), {"type": "text", "text": "colour?"}]}]
 
     for name, path in sorted(checkpoints.items()):

@@ -132,10 +132,13 @@ class LlavaAdapter(Adapter):
         vision = self.model.config.vision_config
         side = int(vision.image_size)
         return FixedTower((int(getattr(vision, "num_channels", 3)), side, side), False,
-                          lambda items: TowerViews(items if isinstance(items, torch.Tensor) else torch.stack(list(items))),
-                          lambda pixels, mask: torch.stack(list(self.model.model.get_image_features(
-                              pixel_values=pixels, return_dict=True).pooler_output)),
-                          lambda items, rows: list(rows.unbind(0)))
+                          lambda items: TowerViews(torch.stack(list(items))),  # a tensor's rows, or a list
+                          self._tower, lambda items, rows: list(rows.unbind(0)))
+
+    def _tower(self, pixels: torch.Tensor, mask: None) -> torch.Tensor:
+        """[images, C, H, W] -> [images, tokens, hidden]: `encode_images`' forward, stacked."""
+        out = self.model.model.get_image_features(pixel_values=pixels, return_dict=True)
+        return torch.stack(list(out.pooler_output))
 
     @torch.inference_mode()
     def decode(
