@@ -2,8 +2,8 @@
 tiles) run from static buffers per view-count bucket (`generation.vision_step`; issue 38 item 1):
 proven capturable on the CPU under `CaptureGuard` (tests/test_runner_capture.py: no host sync, no
 data-dependent shape, nothing read outside the static buffers and the weights), with buffers at
-fixed addresses, outputs equal to the eager tower's (`torch.equal`: a view's rows depend on that
-view alone, so padding changes no real row's arithmetic — poisoned padding proves it), calls past
+fixed addresses, outputs equal to the eager tower's (`torch.equal` on the CPU: a view's rows depend on
+that view alone, so padding changes no real row's arithmetic — poisoned padding proves it), calls past
 the largest bucket split, and the runtime's answers the same with the static tower as without. The
 same tests run on a GPU, where the buckets are also captured as CUDA graphs and replayed."""
 
@@ -61,6 +61,15 @@ def items_of(adapter, family: str, n: int, seed: int) -> list:
     return out
 
 
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise on the CPU; on CUDA within fp32 noise (cuBLAS and cuDNN may pick another kernel for
+    another batch size: another summation order, never another view's values)."""
+    if DEVICE == "cpu":
+        assert got.shape == want.shape and torch.equal(got, want), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def static_tensors(static: StaticVision, adapter) -> list[torch.Tensor]:
     return [*static.buffers.tensors(), *adapter.model.parameters(), *adapter.model.buffers()]
 
@@ -69,7 +78,7 @@ def test_vision_step_capturable_in_every_bucket(family):
     """For every bucket, the tower's body over the static buffers — real views in the first rows,
     padding after — runs under the guard: no host sync, no data-dependent shape, nothing read
     outside the buffers and the weights; the buffers keep their addresses for every view count,
-    and the real rows equal the eager tower's."""
+    and the real rows equal the same body run on those views alone, unpadded."""
     name, adapter = family
     static = StaticVision(adapter.fixed_tower(), (1, 2, 4, 8), adapter.device, adapter.dtype, capture=False)
     addresses = [t.data_ptr() for t in static.buffers.tensors()]
@@ -90,7 +99,7 @@ def test_vision_step_capturable_in_every_bucket(family):
         with torch.inference_mode():
             want = static.tower.body(views.pixels.to(adapter.device, adapter.dtype),
                                      None if views.mask is None else views.mask.to(adapter.device))
-        assert torch.equal(rows[:n], want)
+        assert_same(rows[:n], want)
 
 
 def test_padding_rows_never_reach_real_rows(family):
@@ -112,8 +121,9 @@ def test_padding_rows_never_reach_real_rows(family):
 
 def test_static_outputs_equal_eager_outputs(family):
     """Encoder calls of 1 to 5 items through the static path (buckets 1, 2, 4: calls of more views
-    split into runs of 4 and the rest) give exactly the eager tower's outputs (`torch.equal`),
-    fresh tensors (never a view of a buffer a later call rewrites), counted per bucket."""
+    split into runs of 4 and the rest) give the eager tower's outputs (transformers' own
+    `get_image_features`; bitwise on the CPU), fresh tensors (never a view of a buffer a later call
+    rewrites), counted per bucket."""
     name, adapter = family
     path = VisionPath(adapter, BUCKETS, cuda_graphs=DEVICE == "cuda")
     assert path.static is not None
@@ -123,10 +133,10 @@ def test_static_outputs_equal_eager_outputs(family):
         got, want = path.encode(items), adapter.encode_images(items)
         assert len(got) == len(want) == n
         for g, w in zip(got, want):
-            assert g.shape == w.shape and torch.equal(g, w), (name, n, (g - w).abs().max())
-        outputs.append((got, [w.clone() for w in want]))
-    for got, want in outputs:  # later calls replayed the same buffers: earlier outputs unchanged
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+            assert_same(g, w)
+        outputs.append((got, [g.clone() for g in got]))
+    for got, then in outputs:  # later calls replayed the same buffers: earlier outputs unchanged
+        assert all(torch.equal(g, t) for g, t in zip(got, then))
     views_per_call = [path.static.tower.views(items_of(adapter, name, n, seed=n)).pixels.shape[0] for n in range(1, 6)]
     assert path.static.oversized_calls == sum(v > 4 for v in views_per_call)
     assert sum(path.static_runs.values()) == sum(-(-v // 4) for v in views_per_call)
@@ -231,5 +241,5 @@ def test_cuda_graph_replay_of_the_tower_matches_eager(family):
     for n in (1, 3, 5):
         items = items_of(adapter, name, n, seed=40 + n)
         for g, w in zip(path.encode(items), adapter.encode_images(items)):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+            assert_same(g, w)
     assert set(path.static.graphs.graphs) == set(BUCKETS)
