@@ -7,7 +7,9 @@ one call: a dead runner's captured graphs (garbage in a cycle) collected by a ga
 inside another capture — "operation not permitted when stream is capturing (function reset)", the
 capture invalidated — with the collector left on (the fault: expected FAIL) and paused as
 `DecodeGraphs` now pauses it (expected ok); and every mixed-step token bucket of each family.
-Prints one line per attempt."""
+Prints one line per attempt. Last, each fixed-shape family's vision tower (tiny presets: the launch
+overhead is what a graph removes) per view count: the eager body and the replayed graph (with the
+static path's copies in and out), in ms."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import torch
 
 from mmserve.generation import decode_graphs
 from mmserve.generation.runner import ModelRunner
+from mmserve.generation.vision_step import VisionPath
+from mmserve.models.fixed_tower import TowerViews
 from mmserve.models.demo import build_untrained
 from mmserve.models.demo.qwen import build_untrained_qwen
 from mmserve.models.loading import load_adapter
@@ -82,6 +86,40 @@ def attempt(label: str, r: ModelRunner, order, fresh_pool: bool = False) -> None
     print(f"{label:40s} {' '.join(results)}  {first[:120]}", flush=True)
 
 
+def vision_towers(tmp: Path) -> None:
+    """Per fixed-shape family and view count: the tower's body eagerly vs its replayed graph, ms."""
+    for family, preset in (("llava", "tiny"), ("gemma3", "tiny-gemma3"), ("idefics3", "tiny-idefics3")):
+        adapter = load_adapter(f"probe-vision-{family}", build_untrained(preset, tmp / preset, seed=0,
+                                                                         random_weights=True), device=DEVICE)
+        path = VisionPath(adapter, (1, 2, 4, 8), cuda_graphs=True)
+        captured, static = path.capture(), path.static
+        c, h, w = static.tower.view_shape
+        for n in static.buckets:
+            pixels = torch.randn(n, c, h, w)
+            mask = torch.ones(n, h, w, dtype=torch.bool) if static.tower.masked else None
+            on_device = pixels.to(DEVICE, adapter.dtype), None if mask is None else mask.to(DEVICE)
+            with torch.inference_mode():
+                eager = timed(lambda: static.tower.body(*on_device))
+                replayed = timed(lambda: static.rows(TowerViews(pixels, mask)))
+            label = f"{family} vision tower, {n} views"
+            print(f"{label:40s} eager {eager:.3f} ms  replayed {replayed:.3f} ms"
+                  f"  (captured {captured}, failed {sorted(path.failed_captures)})", flush=True)
+
+
+def timed(fn, repeat: int = 20) -> float:
+    """Mean ms of `fn` on the device (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     builds = {"llava": lambda: build_untrained("tiny", tmp / "tiny", seed=0),
@@ -97,6 +135,7 @@ def main() -> None:
         collection_inside_a_capture(f"{family} gc in capture (expect FAIL)", adapter, paused=False)
         collection_inside_a_capture(f"{family} gc paused in capture", adapter, paused=True)
         mixed(f"{family} mixed token buckets", runner(adapter))
+    vision_towers(tmp)
 
 
 if __name__ == "__main__":

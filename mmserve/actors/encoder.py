@@ -24,6 +24,7 @@ from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import encoder_cache_key, key_prefix
 from mmserve.cache.shared_values import KIND_ENCODER, encoder_key
 from mmserve.errors import MMServeError
+from mmserve.generation.vision_step import VisionPath
 from mmserve.models.adapter import Adapter, PromptInputs
 from mmserve.config import EncoderCacheConfig
 from mmserve.actors import compute
@@ -51,9 +52,11 @@ class Encoder(Actor):
     name = "encoder"
 
     def __init__(self, adapter: Adapter, generator_inbox: trio.MemorySendChannel,
-                 config: EncoderCacheConfig = EncoderCacheConfig(), prefix_cache: trio.MemorySendChannel | None = None):
+                 config: EncoderCacheConfig = EncoderCacheConfig(), prefix_cache: trio.MemorySendChannel | None = None,
+                 vision: VisionPath | None = None):
         super().__init__(model=adapter.name)
         self.adapter = adapter
+        self.vision = vision or VisionPath(adapter)  # the tower: static per view bucket, or eager
         self.generator_inbox = generator_inbox
         self.prefix_cache = prefix_cache
         self._registered: set[str] = set()  # in-flight requests the prefix cache holds something for
@@ -277,7 +280,7 @@ class Encoder(Actor):
 
     def _forward(self, chunk: list[Miss]) -> list[torch.Tensor]:
         fault("encoder.forward", *(label for m in chunk for label in m.labels))
-        return self.adapter.encode_images([m.pixels for m in chunk])
+        return self.vision.encode([m.pixels for m in chunk])
 
     @staticmethod
     def _fail_miss(miss: Miss, error: Exception, failed: dict) -> None:

@@ -108,3 +108,11 @@ def check_model_path(m: "ModelConfig") -> None:
             fail(where, "path", f"a checkpoint directory or one of {builtins}", m.path)
     elif not Path(m.path).expanduser().is_dir():
         fail(where, "path", "an existing checkpoint directory", m.path)
+
+
+def check_buckets(where: str, key: str, value: Any) -> tuple[int, ...]:
+    """A list of positive integers (bucket sizes), returned sorted without repeats."""
+    if not isinstance(value, (list, tuple)) or any(
+            not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in value):
+        fail(where, key, "a list of positive integers (empty: the default buckets)", value)
+    return tuple(sorted(set(value)))

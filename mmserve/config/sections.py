@@ -12,7 +12,7 @@ from typing import Any
 
 from mmserve.config.checks import (
     ATTENTION_BACKENDS, BUILTIN_PREFIX, DEMO_CHECKPOINTS, DEVICE, DTYPES, HASH_ALGORITHMS, IMAGE_FORMATS, LOG_FORMATS,
-    LOG_LEVELS, TOOL_PARSERS, check_bool, check_choice, check_int,
+    LOG_LEVELS, TOOL_PARSERS, check_bool, check_buckets, check_choice, check_int,
     check_number, check_str, check_strings, fail)
 from mmserve.config.hosts import normalize_host_pattern
 from mmserve.config.shared_cache import SharedCacheConfig  # noqa: F401 (a section, kept with its secret's rules)
@@ -85,6 +85,7 @@ class RuntimeConfig:
     attention_backend: str = "auto"  # auto | sdpa | triton (auto: triton on CUDA, sdpa on the CPU)
     cuda_graphs: bool = True  # on CUDA with a capturable backend, every step that fits a bucket replays a graph
     graph_token_buckets: tuple[int, ...] = ()  # token counts of the mixed-step buckets; (): 16, 32, ... max_batched_tokens
+    graph_image_buckets: tuple[int, ...] = ()  # views a fixed-shape vision tower is padded to (vision_step)
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
     overlap: bool = False  # step n+1 planned and launched while step n runs (actors.step_overlap); false: serial steps
 
@@ -97,6 +98,7 @@ class RuntimeConfig:
                 not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
             fail(w, "graph_token_buckets", "a list of positive integers (empty: the default buckets)", buckets)
         object.__setattr__(self, "graph_token_buckets", tuple(sorted(set(buckets))))
+        object.__setattr__(self, "graph_image_buckets", check_buckets(w, "graph_image_buckets", self.graph_image_buckets))
         check_bool(w, "gc_freeze", self.gc_freeze)
         check_bool(w, "overlap", self.overlap)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):

@@ -185,6 +185,11 @@ class Adapter(ABC):
     def encode_images(self, items) -> list[torch.Tensor]:
         """The vision tower and projector over pixel items: one [num_image_tokens, hidden] each."""
 
+    def fixed_tower(self):
+        """The tower split for the static encoder path (`models.fixed_tower.FixedTower`), or None:
+        a family whose views change shape with the image keeps its tower eager."""
+        return None
+
     @property
     def encoder_width(self) -> int | None:
         """The width of an image's encoder-output rows (what the shared tier expects of a stored

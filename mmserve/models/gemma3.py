@@ -44,6 +44,7 @@ from transformers.models.gemma3.modeling_gemma3 import (create_masks_for_vision_
 from mmserve.cache.keys import processor_digest
 from mmserve.errors import CheckpointError
 from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs
+from mmserve.models.fixed_tower import FixedTower, TowerViews
 from mmserve.models.qwen2_vl import _saved_template
 from mmserve.models.random_weights import load_model
 
@@ -197,7 +198,24 @@ class Gemma3Adapter(Adapter):
         markers' token embeddings between them."""
         items = [i if i.dim() == 4 else i.unsqueeze(0) for i in items]
         pixels = torch.cat(list(items)).to(self.device, self.dtype)
-        rows = self.model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+        return self._assemble(items, self._tower(pixels, None))
+
+    def fixed_tower(self) -> FixedTower:
+        """SigLIP at its fixed size: an image's views (the image, its pan-and-scan crops) in a row."""
+        vision = self.model.config.vision_config
+        side = int(vision.image_size)
+        return FixedTower((int(getattr(vision, "num_channels", 3)), side, side), False,
+                          lambda items: TowerViews(torch.cat([i if i.dim() == 4 else i.unsqueeze(0) for i in items])),
+                          self._tower, self._assemble)
+
+    def _tower(self, pixels: torch.Tensor, mask: None) -> torch.Tensor:
+        """[views, C, H, W] -> [views, tokens_per_image, hidden]: tower, pooling, norm, projection."""
+        return self.model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+
+    def _assemble(self, items, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each image's output from its views' rows (in order): the rows over the soft tokens, the
+        markers' token embeddings between crops."""
+        items = [i if i.dim() == 4 else i.unsqueeze(0) for i in items]
         out, at = [], 0
         for item in items:
             views = rows[at:at + item.shape[0]]

@@ -47,11 +47,13 @@ from typing import Mapping, Sequence
 import torch
 from transformers import AutoTokenizer, Idefics3ImageProcessorPil, Idefics3Processor
 from transformers.image_processing_utils import ImageProcessingMixin
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.idefics3.image_processing_pil_idefics3 import (
     MAX_IMAGE_SIZE, _resize_output_size_rescale_to_max_len, _resize_output_size_scale_below_upper_bound)
 
 from mmserve.cache.keys import image_identity, processor_digest
 from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs
+from mmserve.models.fixed_tower import FixedTower, TowerViews
 from mmserve.models.llava_onevision import _saved_processor_settings
 from mmserve.models.qwen2_vl import _saved_template
 from mmserve.models.random_weights import load_model
@@ -213,6 +215,46 @@ class Idefics3Adapter(Adapter):
         if features.shape[0] != views.shape[1] * self.image_seq_len:  # transformers drops all-zero views as padding
             raise RuntimeError(f"the vision tower gave {features.shape[0] // self.image_seq_len} views of "
                                f"{views.shape[1]}: a view whose pixels are all 0.0 is taken for padding")
+        return self._assemble(items, features)
+
+    def fixed_tower(self) -> FixedTower:
+        """SigLIP per tile: every view (tile or global view) one tile's size, with its pixel mask (a
+        global view of a non-square image is padded); `_tower` is `get_image_features` less its
+        dropping of all-zero views (a shape that follows values), which `_tower_views` refuses instead."""
+        vision = self.model.config.vision_config
+        side = int(vision.image_size)
+        return FixedTower((int(getattr(vision, "num_channels", 3)), side, side), True,
+                          self._tower_views, self._tower, self._assemble)
+
+    def _tower_views(self, items: Sequence[Idefics3Pixels]) -> TowerViews:
+        views = torch.cat([it.views for it in items])
+        empty = int((views.flatten(1) == 0).all(1).sum())
+        if empty:  # as the eager path fails for it
+            raise RuntimeError(f"the vision tower gave {views.shape[0] - empty} views of {views.shape[0]}: "
+                               f"a view whose pixels are all 0.0 is taken for padding")
+        return TowerViews(views, torch.cat([it.mask for it in items]).bool())
+
+    def _tower(self, pixels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[views, C, S, S] and pixel masks [views, S, S] -> [views, image_seq_len, hidden]."""
+        model = self.model.model
+        patch = int(model.config.vision_config.patch_size)
+        patches = mask.unfold(1, patch, patch).unfold(2, patch, patch)
+        patch_mask = patches.sum(dim=(-1, -2)) > 0
+        # `Idefics3VisionTransformer.forward` but for its mask: built even when no patch is padding
+        # (transformers skips it then, asking the device whether any is: a host synchronisation)
+        vision = model.vision_model
+        embeds = vision.embeddings(pixel_values=pixels, patch_attention_mask=patch_mask)
+        attention = create_bidirectional_mask(config=vision.config, inputs_embeds=embeds,
+                                              attention_mask=patch_mask.view(pixels.shape[0], -1),
+                                              allow_is_bidirectional_skip=False)
+        hidden = vision.encoder(inputs_embeds=embeds, attention_mask=attention).last_hidden_state
+        return model.connector(vision.post_layernorm(hidden))
+
+    def _assemble(self, items: Sequence[Idefics3Pixels], features: torch.Tensor) -> list[torch.Tensor]:
+        """Each image's rows over its expansion: its views' rows (`features`: every view's, in
+        order, [V * image_seq_len, hidden] or [V, image_seq_len, hidden]) at its `<image>`
+        positions, the markers' token embeddings between them."""
+        features = features.reshape(-1, features.shape[-1])
         rows, at = [], 0
         embed = self.model.get_input_embeddings()
         for it in items:

@@ -15,6 +15,7 @@ from transformers import AutoProcessor, DynamicCache
 
 from mmserve.cache.keys import processor_digest
 from mmserve.models.adapter import Adapter, ImageSpan, PromptInputs, StepOutput
+from mmserve.models.fixed_tower import FixedTower, TowerViews
 from mmserve.models.random_weights import load_model
 
 __all__ = ["ImageSpan", "LlavaAdapter", "PromptInputs", "StepOutput"]
@@ -125,6 +126,19 @@ class LlavaAdapter(Adapter):
         pixel_values = pixel_values.to(self.device, self.dtype)
         out = self.model.model.get_image_features(pixel_values=pixel_values, return_dict=True)
         return [f.contiguous() for f in out.pooler_output]
+
+    def fixed_tower(self) -> FixedTower:
+        """CLIP at its one resolution: every image one view (`models.fixed_tower`)."""
+        vision = self.model.config.vision_config
+        side = int(vision.image_size)
+        return FixedTower((int(getattr(vision, "num_channels", 3)), side, side), False,
+                          lambda items: TowerViews(torch.stack(list(items))),  # a tensor's rows, or a list
+                          self._tower, lambda items, rows: list(rows.unbind(0)))
+
+    def _tower(self, pixels: torch.Tensor, mask: None) -> torch.Tensor:
+        """[images, C, H, W] -> [images, tokens, hidden]: `encode_images`' forward, stacked."""
+        out = self.model.model.get_image_features(pixel_values=pixels, return_dict=True)
+        return torch.stack(list(out.pooler_output))
 
     @torch.inference_mode()
     def decode(

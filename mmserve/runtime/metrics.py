@@ -134,6 +134,7 @@ class _RuntimeCollector:
             ph.add_metric([name], load.hit_tokens)
         yield from (running, waiting, kv_usage, kv_evictable, quarantined, enc_bytes, pq, ph, mq, mh)
         yield from _step_path_metrics(rt, c)
+        yield from _encoder_path_metrics(rt, c)
         yield from _shared_tier_metrics(rt, g, c)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():
@@ -182,6 +183,26 @@ def _step_path_metrics(rt, c):
         for reason, count in sorted(runner.eager_reasons.items()):
             eager.add_metric([name, reason], count)
     yield from (static, eager)
+
+
+def _encoder_path_metrics(rt, c):
+    """How the vision tower ran (generation.vision_step): from the static buffers per view bucket (a
+    replayed graph on CUDA), calls split past the largest bucket, and eager calls by reason."""
+    static = c("mmserve:encoder_static_runs", "Vision-tower runs from the static buffers (replayed graphs on "
+               "CUDA), by view-count bucket (images, crops or tiles padded to it).", ("model_name", "bucket"))
+    split = c("mmserve:encoder_split_calls", "Encoder calls of more views than the largest graph_image_buckets "
+              "bucket (split into runs of the largest: still static).")
+    eager = c("mmserve:encoder_eager_runs", "Vision-tower calls run eagerly, by why: static_off (no image buckets: "
+              "the default off CUDA), dynamic_shapes (a family whose views change shape: Qwen-VL, OneVision), "
+              "view_shape (views not of the tower's size).", ("model_name", "reason"))
+    for name, m in rt.registry.loaded.items():
+        vision = m.encoder.vision
+        for bucket, count in sorted(vision.static_runs.items()):
+            static.add_metric([name, str(bucket)], count)
+        split.add_metric([name], vision.static.oversized_calls if vision.static is not None else 0)
+        for reason, count in sorted(vision.eager_reasons.items()):
+            eager.add_metric([name, reason], count)
+    yield from (static, split, eager)
 
 
 def _shared_tier_metrics(rt, g, c):

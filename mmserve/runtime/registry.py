@@ -146,9 +146,12 @@ class ModelRegistry:
             # the CPU bench a third of its batched throughput (measured: @8 concurrent 234 -> 155 tok/s)
             runner = actors["generator"].runner
             captured = await compute.run(runner.capture, owner=f"registry[{mc.name}]") if runner.captures else 0
-            for kind, failed in runner.failed_captures.items():  # those buckets run eagerly: slower, still right
-                self.log.warning("registry.graphs_failed", model=mc.name, steps=kind, buckets=sorted(failed),
-                                 error=next(iter(failed.values())))
+            vision = actors["encoder"].vision  # the vision tower's graphs after the runner's (their own pool)
+            vision_graphs = await compute.run(vision.capture, owner=f"registry[{mc.name}]") if vision.captures else 0
+            for kind, failed in [*runner.failed_captures.items(), ("vision", vision.failed_captures)]:
+                if failed:  # those buckets run eagerly: slower, still right
+                    self.log.warning("registry.graphs_failed", model=mc.name, steps=kind, buckets=sorted(failed),
+                                     error=next(iter(failed.values())))
             for role, actor in model.actors.items():
                 self.supervisor.start(actor, model.actor_key(role))
             if (tier := model.actors.get("shared_tier")) is not None:
@@ -160,7 +163,7 @@ class ModelRegistry:
             heap = gc_heap.settle() if rc.gc_freeze else {}
             kv = runner.kv
             self.log.info("registry.model_loaded", model=mc.name, path=str(mc.resolved_path()),
-                          load_s=round(time.monotonic() - t0, 3), decode_graphs=captured,
+                          load_s=round(time.monotonic() - t0, 3), decode_graphs=captured, vision_graphs=vision_graphs,
                           dtype=str(adapter.dtype).removeprefix("torch."), dtype_from=getattr(adapter, "dtype_from", "?"),
                           kv_budget_bytes=kv.nbytes, kv_tokens=kv.num_blocks * kv.block_size,
                           kv_budget_from=getattr(runner, "kv_budget_from", "?"), **heap)

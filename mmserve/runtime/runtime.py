@@ -34,6 +34,7 @@ from mmserve.inputs.tokenize import parse_detokenize, parse_tokenize
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
 from mmserve.generation.runner import ModelRunner
+from mmserve.generation.vision_step import VisionPath, image_buckets_for
 from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
@@ -164,7 +165,9 @@ class Runtime:
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
         manager.generator = generator.inbox_send
         manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
-        encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
+        vision = VisionPath(adapter, image_buckets_for(rt.graph_image_buckets, adapter.device,
+                                                       self.config.encoder_cache.max_batch_images), rt.cuda_graphs)
+        encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send, vision)
         return {"prefix_cache": manager, "encoder": encoder, "generator": generator}
 
     @asynccontextmanager
