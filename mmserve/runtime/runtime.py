@@ -25,6 +25,7 @@ from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
 from mmserve.actors.messages import ClearCache, RequestHandle, Route, Submit
+from mmserve.actors.kv_events import KVEventPublisher
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
@@ -74,6 +75,8 @@ class Runtime:
         # reference (its caller's stream, the actor holding it), never by a prune that may not run
         self._live: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
         self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
+        # KV events for external routers ([kv_events]): one stream per replica, every model's manager on it
+        self.kv_events = KVEventPublisher(config.kv_events) if config.kv_events.enabled else None
         self.metrics = Metrics()
         self.metrics.attach(self)
         self.intake.on_reject = self.metrics.rejected
@@ -110,6 +113,8 @@ class Runtime:
                 body_error = e
             finally:
                 nursery.cancel_scope.cancel()
+                if rt.kv_events is not None:
+                    rt.kv_events.close()
                 if config.runtime.gc_freeze:
                     gc_heap.release()
                 rt.log.info("runtime.stopped", **rt.drained)
@@ -164,6 +169,8 @@ class Runtime:
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
         manager.generator = generator.inbox_send
         manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
+        if self.kv_events is not None and manager.caching:
+            manager.attach_events(self.kv_events)
         encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send)
         return {"prefix_cache": manager, "encoder": encoder, "generator": generator}
 

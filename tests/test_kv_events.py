@@ -1,0 +1,288 @@
+"""KV events ([kv_events]) on a real ZMQ SUB socket, decoded with msgspec as vLLM's own structs
+decode them: stored after commit, removed before reuse, cleared on reset, replay of missed batches,
+both encodings. The arena is the reference: the events, applied in order, rebuild its cached set."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgspec
+import pytest
+import trio
+import zmq
+
+from mmserve import Runtime
+from mmserve.actors.kv_event_wire import ENCODINGS
+from mmserve.actors.kv_events import END_SEQ, KVEventPublisher
+from mmserve.cache.kv_event_records import (
+    AllCleared, BlocksRemoved, BlocksStored, MMRouting, StoredBlock, routing_id)
+from mmserve.config import KVEventsConfig
+from mmserve.config.kv_events import KV_EVENT_ENCODINGS
+from mmserve.models.demo import render_image
+from tests.helpers import ask
+
+
+# vLLM's structs (vllm/distributed/kv_events.py, positional form as llm-d decodes it)
+class VBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[VStored | VRemoved | VCleared]
+    data_parallel_rank: int | None = None
+
+
+class VStored(msgspec.Struct, array_like=True, omit_defaults=True, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list | None = None
+
+
+class VRemoved(msgspec.Struct, array_like=True, omit_defaults=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class VCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+# the map form ("dynamo"): the same fields by name, with block_mm_infos
+class MmObject(msgspec.Struct):
+    mm_hash: int
+    offsets: list[list[int]]
+
+
+class MmInfo(msgspec.Struct):
+    mm_objects: list[MmObject]
+
+
+class DStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    block_mm_infos: list[MmInfo | None]
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class DRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class DCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+class DBatch(msgspec.Struct):
+    ts: float
+    events: list[DStored | DRemoved | DCleared]
+    data_parallel_rank: int | None = None
+
+
+KV_BUDGET = 40 << 10  # the tiny model's arena: 5 blocks, 2 a chat: the third image evicts
+DECODERS = {"vllm": msgspec.msgpack.Decoder(VBatch), "dynamo": msgspec.msgpack.Decoder(DBatch)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+class Subscriber:
+    """A SUB socket on the stream; `batches` decoded, with their sequence numbers."""
+
+    def __init__(self, endpoint: str, encoding: str = "vllm", topic: str = ""):
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.sub.connect(endpoint)
+        self.decoder = DECODERS[encoding]
+        self.seen: list[tuple[int, object]] = []
+
+    def drain(self, settle_s: float = 0.3) -> list:
+        """Everything received until the stream has been quiet for `settle_s`."""
+        while self.sub.poll(int(settle_s * 1000)):
+            topic, seq, payload = self.sub.recv_multipart()
+            self.seen.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
+        return self.seen
+
+    def close(self):
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+class CacheModel:
+    """The router's view, rebuilt from events: the set of cached routing ids; checks the protocol
+    (a block stored once until removed, removed only while stored, parents known)."""
+
+    def __init__(self):
+        self.cached: dict[int, list[int]] = {}
+
+    def apply(self, event):
+        if isinstance(event, (VStored, DStored)):
+            assert event.parent_block_hash is None or event.parent_block_hash in self.cached, "parent not announced"
+            bs = event.block_size
+            for k, h in enumerate(event.block_hashes):
+                assert h not in self.cached, f"block {h} stored twice without a removal"
+                self.cached[h] = event.token_ids[k * bs:(k + 1) * bs]
+        elif isinstance(event, (VRemoved, DRemoved)):
+            for h in event.block_hashes:
+                assert h in self.cached, f"block {h} removed but never stored"
+                del self.cached[h]
+        else:
+            self.cached.clear()
+
+
+def arena_ids(rt: Runtime, model: str = "tiny") -> set[int]:
+    arena = rt.registry.loaded[model].prefix_cache.arena
+    return {routing_id(arena.hash_of(b)) for b in range(arena.num_blocks) if arena.hash_of(b) is not None}
+
+
+def test_the_encodings_named_in_config_are_the_wire_module_s():
+    assert KV_EVENT_ENCODINGS == ENCODINGS
+
+
+def replay_model(seen) -> CacheModel:
+    model = CacheModel()
+    for _, batch in seen:
+        for e in batch.events:
+            model.apply(e)
+    return model
+
+
+def images_of(seen) -> set[int]:
+    """The mm_hashes the stored events carry (per-block extra keys, or block_mm_infos)."""
+    out = set()
+    for _, batch in seen:
+        for e in batch.events:
+            if isinstance(e, VStored):
+                out |= {k[0] for keys in e.extra_keys or () if keys for k in keys if isinstance(k, list)}
+            elif isinstance(e, DStored):
+                out |= {o.mm_hash for info in e.block_mm_infos if info for o in info.mm_objects}
+    return out
+
+
+@pytest.mark.parametrize("encoding", ["vllm", "dynamo"])
+def test_stored_after_commit_removed_before_reuse_cleared_on_reset(tiny_config, encoding):
+    """A small arena (evictions by the third image), five chats, an admin reset: the stream applied
+    in order always names exactly what the arena caches, with each block's token ids; images tell
+    their blocks apart."""
+    pub_ep, _ = endpoints()
+    config = tiny_config.replace(kv_events={"enabled": True, "endpoint": pub_ep, "encoding": encoding},
+                                 kv_cache={"budget_bytes": KV_BUDGET})
+    sub = Subscriber(pub_ep, encoding)
+
+    async def main():
+        async with Runtime.open(config) as rt:
+            manager = rt.registry.loaded["tiny"].prefix_cache
+            await trio.sleep(0.3)  # ZMQ's slow joiner: only what is published after the SUB joined arrives
+            for i, (color, seed) in enumerate([("red", 0), ("blue", 1), ("green", 2), ("red", 0), ("blue", 4)]):
+                await rt.chat_completion(ask(render_image(color, "circle", seed=seed)), temperature=0, max_tokens=8)
+                await trio.to_thread.run_sync(sub.drain)
+                model = replay_model(sub.seen)
+                assert set(model.cached) == arena_ids(rt), f"chat {i}: the events disagree with the arena"
+                arena = manager.arena
+                for b in range(arena.num_blocks):  # each announced block's token ids are its own
+                    if (h := arena.hash_of(b)) is not None:
+                        assert len(model.cached[routing_id(h)]) == manager.block_size
+            assert manager.arena.stats().evictions > 0, "the arena never evicted: no removal was tested"
+            assert len(images_of(sub.seen)) == 4, "four images, four mm_hashes"
+            await rt.reset_caches("tiny", ("prefix",))  # nothing is running: every entry goes
+            await trio.to_thread.run_sync(sub.drain)
+            assert isinstance(sub.seen[-1][1].events[-1], (VCleared, DCleared))
+            assert arena_ids(rt) == set() and replay_model(sub.seen).cached == {}
+
+    try:
+        trio.run(main)
+    finally:
+        sub.close()
+    seqs = [s for s, _ in sub.seen]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers have no gap"
+
+
+def test_replay_returns_missed_batches_and_ends_with_minus_one():
+    """vLLM's replay protocol: 8-byte start sequence in, [seq, payload] for each buffered batch from
+    it, then [-1, b""]. The batches were published before anyone subscribed (all missed)."""
+    pub_ep, replay_ep = endpoints()
+    pub = KVEventPublisher(KVEventsConfig(enabled=True, endpoint=pub_ep, replay_endpoint=replay_ep))
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        block = StoredBlock(routing_id(b"\x01" * 16), None, tuple(range(4)), (MMRouting(7, 1, 4),), None)
+        for k in range(5):
+            pub.publish([BlocksStored((block,), 4)] if k % 2 == 0 else [BlocksRemoved((block.block,))])
+        deadline = time.time() + 5
+        while pub.stats()["published"] < 6 and time.time() < deadline:  # 6: AllBlocksCleared first
+            time.sleep(0.01)
+        dealer.connect(replay_ep)
+        dealer.send_multipart([b"", (2).to_bytes(8, "big")])  # the empty delimiter a REQ socket adds
+        got = []
+        while True:
+            assert dealer.poll(5000), "no replay answer"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                assert payload == b""
+                break
+            got.append((int.from_bytes(seq, "big"), DECODERS["vllm"].decode(payload)))
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        pub.close()
+    assert [s for s, _ in got] == [2, 3, 4, 5]
+    kinds = [type(b.events[0]) for _, b in got]
+    assert kinds == [VRemoved, VStored, VRemoved, VStored]
+    assert got[1][1].events[0].extra_keys == [[[7, 1, 4]]]
+    assert got[1][1].events[0].token_ids == [0, 1, 2, 3] and got[1][1].events[0].medium == "GPU"
+
+
+def test_the_first_batch_is_all_blocks_cleared_and_a_full_queue_drops_then_clears():
+    """A replica's stream starts with AllBlocksCleared. A batch that finds the queue full is dropped
+    and counted; the next one published starts with AllBlocksCleared (a router forgets rather than
+    trusts a gap), and `generation` tells the managers their announcements are void."""
+    pub_ep, replay_ep = endpoints()
+    pub = KVEventPublisher(KVEventsConfig(enabled=True, endpoint=pub_ep, replay_endpoint=replay_ep,
+                                          queue_batches=1))
+    try:
+        # a burst far faster than one thread sends (the GIL switches every 5 ms): most batches drop
+        results = [pub.publish([BlocksRemoved((k,))]) for k in range(2000)]
+        assert not all(results) and pub.dropped == results.count(False)
+        assert pub.generation >= 1
+        deadline = time.time() + 5
+        while pub.stats()["published"] < results.count(True) + 1 and time.time() < deadline:
+            time.sleep(0.01)
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay_ep)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches = []
+        while True:
+            assert dealer.poll(5000)
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            batches.append(DECODERS["vllm"].decode(payload).events)
+        dealer.close(linger=0)
+        ctx.term()
+    finally:
+        pub.close()
+    assert batches[0] == [VCleared()]
+    # after each run of drops, the next batch that got through starts with AllBlocksCleared
+    ok = [k for k, r in enumerate(results) if r]
+    for prev, k in zip([-1] + ok, ok):
+        batch = batches[1 + ok.index(k)]
+        gap = k - prev > 1
+        assert [type(e) for e in batch] == ([VCleared, VRemoved] if gap else [VRemoved]), (k, prev)
+        assert batch[-1].block_hashes == [k]
