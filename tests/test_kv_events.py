@@ -81,7 +81,7 @@ class DCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     pass
 
 
-class DBatch(msgspec.Struct):
+class DBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[DStored | DRemoved | DCleared]
     data_parallel_rank: int | None = None

@@ -7,7 +7,8 @@ per ZMQ message, its events tagged by class name.
   lora_name, extra_keys]` (`extra_keys` only when a block has images or a routing group: per block,
   `[[mm_hash, start, end], ..., group]`, like vLLM's per-block extra keys), a removal
   `["BlockRemoved", block_hashes, medium]`, a reset `["AllBlocksCleared"]`.
-- `"dynamo"`: the same fields as a map (`{"type": "BlockStored", ...}`), plus Dynamo's
+- `"dynamo"`: the batch as above, each event's fields as a map (`{"type": "BlockStored", ...}`:
+  Dynamo 1.6's decoder wants the batch a 3-tuple and reads `block_mm_infos` from maps), plus Dynamo's
   `block_mm_infos` — per block `{"mm_objects": [{"mm_hash": u64, "offsets": [[s, e]]}]}` or None —
   and `cache_salt` (the routing group) when the blocks have one. Dynamo drops vLLM's `extra_keys`:
   without `block_mm_infos` two images with the same placeholder tokens would collide there.
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from mmserve.cache.kv_event_records import AllCleared, BlocksRemoved, BlocksStored, StoredBlock
+from mmserve.cache.kv_event_records import AllCleared, BlocksRemoved, BlocksStored, MMRouting, StoredBlock
 
 ENCODINGS = ("vllm", "dynamo")
 MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the KV arena's tier
@@ -35,10 +36,11 @@ def _extra_keys(block: StoredBlock) -> list | None:
     return keys or None
 
 
-def _mm_infos(block: StoredBlock) -> dict | None:
-    if not block.mm:
+def mm_infos(mm: Sequence[MMRouting]) -> dict | None:
+    """One block's `block_mm_infos` entry (None: no image in it)."""
+    if not mm:
         return None
-    return {"mm_objects": [{"mm_hash": m.mm_hash, "offsets": [[m.start, m.end]]} for m in block.mm]}
+    return {"mm_objects": [{"mm_hash": m.mm_hash, "offsets": [[m.start, m.end]]} for m in mm]}
 
 
 def _tokens(e: BlocksStored) -> list[int]:
@@ -67,7 +69,7 @@ def mapped(event) -> dict:
         out = {"type": "BlockStored", "block_hashes": [b.block for b in event.blocks],
                "parent_block_hash": event.parent, "token_ids": _tokens(event), "block_size": event.block_size,
                "lora_id": None, "medium": MEDIUM, "lora_name": None,
-               "block_mm_infos": [_mm_infos(b) for b in event.blocks]}
+               "block_mm_infos": [mm_infos(b.mm) for b in event.blocks]}
         if event.group is not None:
             out["cache_salt"] = event.group
         return out
@@ -91,4 +93,5 @@ class BatchEncoder:
     def encode(self, ts: float, events: Sequence) -> bytes:
         if self.encoding == "vllm":
             return self._pack.encode([ts, [positional(e) for e in events], self.rank])
-        return self._pack.encode({"ts": ts, "events": [mapped(e) for e in events], "data_parallel_rank": self.rank})
+        # Dynamo decodes the batch positionally (a 3-tuple) and each event as a map
+        return self._pack.encode([ts, [mapped(e) for e in events], self.rank])

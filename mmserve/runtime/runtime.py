@@ -38,6 +38,7 @@ from mmserve.generation.runner import ModelRunner
 from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
+from mmserve.runtime.routing_keys import routing_keys
 from mmserve.runtime.sizing import context_tokens, kv_budget
 from mmserve.models.paged import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
@@ -283,6 +284,15 @@ class Runtime:
         adapter = await self._adapter(request.model)
         return await trio.to_thread.run_sync(tokenization.tokenize, adapter, request, self.config.limits,
                                              limiter=self.intake.limiter, abandon_on_cancel=True)
+
+    async def routing_keys(self, body: dict) -> dict:
+        """A chat request's keys for KV-aware routers (`runtime.routing_keys`): expanded token ids,
+        per-block image hashes, routing group — as this replica's KV events name its blocks."""
+        request = self.parse(body)
+        adapter = await self._adapter(request.model)
+        return await trio.to_thread.run_sync(routing_keys, adapter, request, self.config.limits,
+                                             self.config.kv_cache.block_size, limiter=self.intake.limiter,
+                                             abandon_on_cancel=True)
 
     async def detokenize(self, body: dict) -> dict:
         """vLLM's `/detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`."""
