@@ -286,3 +286,62 @@ def test_the_first_batch_is_all_blocks_cleared_and_a_full_queue_drops_then_clear
         gap = k - prev > 1
         assert [type(e) for e in batch] == ([VCleared, VRemoved] if gap else [VRemoved]), (k, prev)
         assert batch[-1].block_hashes == [k]
+
+
+def test_the_wire_forms_pinned():
+    """The exact fields and positions routers decode (vLLM's positional form; Dynamo's map events
+    in a positional batch), for one stored block with an image and a group, a removal, a reset."""
+    from mmserve.actors.kv_event_wire import BatchEncoder
+
+    block = StoredBlock(-5, 3, (1, 2, 3, 4), (MMRouting(2**64 - 1, 1, 3),), "00ff00ff00ff00ff")
+    events = [AllCleared(), BlocksStored((block,), 4), BlocksRemoved((-5,))]
+    assert msgspec.msgpack.decode(BatchEncoder("vllm").encode(1.5, events)) == [1.5, [
+        ["AllBlocksCleared"],
+        ["BlockStored", [-5], 3, [1, 2, 3, 4], 4, None, "GPU", None, [[[2**64 - 1, 1, 3], "00ff00ff00ff00ff"]]],
+        ["BlockRemoved", [-5], "GPU"]], 0]
+    assert msgspec.msgpack.decode(BatchEncoder("dynamo").encode(1.5, events)) == [1.5, [
+        {"type": "AllBlocksCleared"},
+        {"type": "BlockStored", "block_hashes": [-5], "parent_block_hash": 3, "token_ids": [1, 2, 3, 4],
+         "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None,
+         "block_mm_infos": [{"mm_objects": [{"mm_hash": 2**64 - 1, "offsets": [[1, 3]]}]}],
+         "cache_salt": "00ff00ff00ff00ff"},
+        {"type": "BlockRemoved", "block_hashes": [-5], "medium": "GPU"}], 0]
+
+
+def test_tenants_publish_under_their_own_group_and_routing_keys_agree(tiny_config):
+    """A salted request's blocks carry its routing group (a hash, never the salt), an unsalted one's
+    none; the routing keys mmserve gives for a request name exactly the blocks it announced."""
+    pub_ep, _ = endpoints()
+    config = tiny_config.replace(kv_events={"enabled": True, "endpoint": pub_ep, "encoding": "dynamo"})
+    sub = Subscriber(pub_ep, "dynamo")
+    img = render_image("red", "circle", seed=11)
+
+    async def main():
+        async with Runtime.open(config) as rt:
+            await trio.sleep(0.3)
+            out = {}
+            for salt in (None, "tenant-a"):
+                body = {"model": "tiny", "messages": ask(img), **({"cache_salt": salt} if salt else {})}
+                before = len(sub.seen)
+                await rt.chat_completion(body["messages"], temperature=0, max_tokens=3, cache_salt=salt)
+                await trio.to_thread.run_sync(sub.drain)
+                stored = [e for _, b in sub.seen[before:] for e in b.events if isinstance(e, DStored)]
+                out[salt] = (stored, await rt.routing_keys(body))
+            return out
+
+    try:
+        out = trio.run(main)
+    finally:
+        sub.close()
+    (plain, plain_keys), (salted, salted_keys) = out[None], out["tenant-a"]
+    assert plain and all(e.cache_salt is None for e in plain) and plain_keys["cache_salt"] is None
+    group = salted_keys["cache_salt"]
+    assert group and "tenant" not in group and all(e.cache_salt == group for e in salted)
+    for stored, keys in ((plain, plain_keys), (salted, salted_keys)):
+        announced = [h for e in stored for h in e.block_hashes]
+        assert announced == keys["block_hashes"][:len(announced)] and announced
+        bs = keys["block_size"]
+        assert [t for e in stored for t in e.token_ids] == keys["token_ids"][:len(announced) * bs]
+        infos = [i for e in stored for i in e.block_mm_infos]
+        assert [msgspec.to_builtins(i) for i in infos] == keys["block_mm_infos"][:len(announced)]
+    assert set(h for e in plain for h in e.block_hashes).isdisjoint(h for e in salted for h in e.block_hashes)
