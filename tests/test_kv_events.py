@@ -345,3 +345,21 @@ def test_tenants_publish_under_their_own_group_and_routing_keys_agree(tiny_confi
         infos = [i for e in stored for i in e.block_mm_infos]
         assert [msgspec.to_builtins(i) for i in infos] == keys["block_mm_infos"][:len(announced)]
     assert set(h for e in plain for h in e.block_hashes).isdisjoint(h for e in salted for h in e.block_hashes)
+
+
+def test_the_routing_keys_route_answers_what_the_runtime_gives(tiny_config):
+    """`POST /v1/routing_keys` over a real socket: the same keys as `Runtime.routing_keys`."""
+    import httpx
+
+    from tests.helpers import ServerThread
+
+    body = {"model": "tiny", "messages": ask(render_image("blue", "square", seed=3)), "cache_salt": "t"}
+    with ServerThread(tiny_config) as server:
+        got = httpx.post(server.url + "/v1/routing_keys", json=body, timeout=30)
+        assert got.status_code == 200, got.text
+        want = trio.from_thread.run(server.runtime.routing_keys, body, trio_token=server._token)
+    keys = got.json()
+    assert keys["block_size"] == tiny_config.kv_cache.block_size and keys["cache_salt"]
+    assert len(keys["block_mm_infos"]) == len(keys["token_ids"]) // keys["block_size"]
+    assert any(keys["block_mm_infos"]) and len(keys["block_hashes"]) == len(keys["block_mm_infos"])
+    assert keys == want
