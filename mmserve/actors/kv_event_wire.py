@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from mmserve.cache.kv_event_records import AllCleared, BlocksRemoved, BlocksStored, MMRouting, StoredBlock
+from mmserve.cache.kv_event_records import AllCleared, BlocksRemoved, BlocksStored, StoredBlock, mm_infos
 
 ENCODINGS = ("vllm", "dynamo")
 MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the KV arena's tier
@@ -34,13 +34,6 @@ def _extra_keys(block: StoredBlock) -> list | None:
     if block.group is not None:
         keys.append(block.group)
     return keys or None
-
-
-def mm_infos(mm: Sequence[MMRouting]) -> dict | None:
-    """One block's `block_mm_infos` entry (None: no image in it)."""
-    if not mm:
-        return None
-    return {"mm_objects": [{"mm_hash": m.mm_hash, "offsets": [[m.start, m.end]]} for m in mm]}
 
 
 def _tokens(e: BlocksStored) -> list[int]:

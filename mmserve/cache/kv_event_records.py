@@ -58,6 +58,13 @@ def block_mm_routing(items: Sequence[MMPlaceholder], block_start: int, block_siz
                  for it in sorted(items, key=lambda it: it.start) if it.start < end and it.end > block_start)
 
 
+def mm_infos(mm: Sequence[MMRouting]) -> dict | None:
+    """One block's entry of Dynamo's `block_mm_infos` (None: no image in it)."""
+    if not mm:
+        return None
+    return {"mm_objects": [{"mm_hash": m.mm_hash, "offsets": [[m.start, m.end]]} for m in mm]}
+
+
 @dataclass(frozen=True)
 class BlockRouting:
     """What a `Commit` tells of its blocks beyond their hashes, for KV events: the hash of the block

@@ -7,9 +7,8 @@ with, so what a router is asked and what the replica announced agree by construc
 from __future__ import annotations
 
 from mmserve.actors.intake import _decode_and_prepare, remote_urls
-from mmserve.actors.kv_event_wire import mm_infos
 from mmserve.cache.block_hash import BlockChain
-from mmserve.cache.kv_event_records import block_mm_routing, routing_group, routing_id
+from mmserve.cache.kv_event_records import block_mm_routing, mm_infos, routing_group, routing_id
 from mmserve.config import LimitsConfig
 from mmserve.errors import BadRequest
 from mmserve.inputs.request import ChatRequest

@@ -25,7 +25,6 @@ from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
 from mmserve.actors.messages import ClearCache, RequestHandle, Route, Submit
-from mmserve.actors.kv_events import KVEventPublisher
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
@@ -76,8 +75,13 @@ class Runtime:
         # reference (its caller's stream, the actor holding it), never by a prune that may not run
         self._live: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
         self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
-        # KV events for external routers ([kv_events]): one stream per replica, every model's manager on it
-        self.kv_events = KVEventPublisher(config.kv_events) if config.kv_events.enabled else None
+        # KV events for external routers ([kv_events]): one stream per replica, every model's manager on
+        # it. Imported only when on: a replica that does not publish never loads pyzmq
+        self.kv_events = None
+        if config.kv_events.enabled:
+            from mmserve.actors.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events)
         self.metrics = Metrics()
         self.metrics.attach(self)
         self.intake.on_reject = self.metrics.rejected
