@@ -363,3 +363,117 @@ def test_the_routing_keys_route_answers_what_the_runtime_gives(tiny_config):
     assert len(keys["block_mm_infos"]) == len(keys["token_ids"]) // keys["block_size"]
     assert any(keys["block_mm_infos"]) and len(keys["block_hashes"]) == len(keys["block_mm_infos"])
     assert keys == want
+
+
+def test_two_models_on_one_stream_a_reset_withdraws_only_its_own_blocks(tiny_config):
+    """Two models publish on one replica's stream: an admin reset of one says BlockRemoved for its
+    blocks (AllBlocksCleared would clear the other's too), and the stream still equals both arenas."""
+    from mmserve.config import ModelConfig
+
+    pub_ep, _ = endpoints()
+    tiny = tiny_config.models[0]
+    config = tiny_config.replace(models=(tiny, ModelConfig("tiny2", tiny.path, load="eager")),
+                                 kv_events={"enabled": True, "endpoint": pub_ep})
+    sub = Subscriber(pub_ep)
+
+    async def main():
+        async with Runtime.open(config) as rt:
+            await trio.sleep(0.3)
+            img = render_image("green", "circle", seed=2)
+            for model in ("tiny", "tiny2"):
+                await rt.chat_completion(ask(img), model=model, temperature=0, max_tokens=3)
+            await trio.to_thread.run_sync(sub.drain)
+            assert set(replay_model(sub.seen).cached) == arena_ids(rt, "tiny") | arena_ids(rt, "tiny2")
+            kept = arena_ids(rt, "tiny2")
+            await rt.reset_caches("tiny", ("prefix",))
+            await trio.to_thread.run_sync(sub.drain)
+            last = sub.seen[-1][1].events
+            assert [type(e) for e in last] == [VRemoved]
+            assert arena_ids(rt, "tiny") == set() and set(replay_model(sub.seen).cached) == kept != set()
+
+    try:
+        trio.run(main)
+    finally:
+        sub.close()
+
+
+def test_a_restarted_cache_manager_says_all_blocks_cleared(tiny_config):
+    """A fault kills the cache manager (at a refill, actor-wide): its restart starts a fresh arena,
+    and the stream says AllBlocksCleared before anything of the new life; it equals the arena after."""
+    from mmserve.actors import faults
+    from mmserve.errors import MMServeError
+
+    pub_ep, _ = endpoints()
+    config = tiny_config.replace(kv_events={"enabled": True, "endpoint": pub_ep},
+                                 supervisor={"restart_backoff_s": 0.05})
+    sub = Subscriber(pub_ep)
+
+    async def main():
+        async with Runtime.open(config) as rt:
+            await trio.sleep(0.3)
+            await rt.chat_completion(ask(render_image("red", "square", seed=21)), temperature=0, max_tokens=3)
+            await trio.to_thread.run_sync(sub.drain)
+            before = len(sub.seen)
+            assert replay_model(sub.seen).cached
+            faults.configure("prefix.refill=raise@1")
+            try:
+                await rt.chat_completion(ask(render_image("blue", "square", seed=22)), temperature=0, max_tokens=3)
+            except MMServeError:
+                pass  # the request that held blocks in the dead life fails with a 503
+            faults.configure(None)
+            deadline = trio.current_time() + 10
+            while rt.supervisor.states["prefix_cache[tiny]"].restarts < 1:
+                assert trio.current_time() < deadline, "the manager never restarted"
+                await trio.sleep(0.02)
+            await rt.chat_completion(ask(render_image("green", "square", seed=23)), temperature=0, max_tokens=3)
+            await trio.to_thread.run_sync(sub.drain)
+            after = [type(e) for _, b in sub.seen[before:] for e in b.events]
+            assert VCleared in after, after
+            assert set(replay_model(sub.seen).cached) == arena_ids(rt) != set()
+
+    try:
+        trio.run(main)
+    finally:
+        faults.configure(None)
+        sub.close()
+
+
+# -- the arena's journal: the order KV events are read from -------------------------------------------
+
+from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis.stateful import initialize, invariant  # noqa: E402
+
+from mmserve.cache.block_arena import BlockArena  # noqa: E402
+from tests.test_block_arena import ArenaMachine  # noqa: E402
+
+
+class JournalMachine(ArenaMachine):
+    """The arena's own state machine (lookups, allocations that evict, commits, duplicate commits,
+    shares, frees, preemptions, clears), with a journal: replayed in order, it is always the arena's
+    hash entries, a block is stored only while it holds none (its old entry was removed first: never
+    announced while reused), and removed only with the entry it holds."""
+
+    @initialize(num_blocks=st.integers(1, 8))
+    def init(self, num_blocks):
+        super().init(num_blocks)
+        self.journal: list = []
+        self.arena = BlockArena(num_blocks, journal=self.journal)
+        self.seen = 0
+        self.model: dict[int, bytes] = {}  # block → hash, as a router following the events sees it
+
+    @invariant()
+    def the_journal_replays_to_the_arena(self):
+        for kind, block, h in self.journal[self.seen:]:
+            if kind == "stored":
+                assert block not in self.model and h not in self.model.values(), (block, h)
+                self.model[block] = h
+            else:
+                assert self.model.get(block) == h, (block, h)
+                del self.model[block]
+        self.seen = len(self.journal)
+        arena = self.arena
+        assert self.model == {b: arena.hash_of(b) for b in range(arena.num_blocks) if arena.hash_of(b) is not None}
+
+
+JournalMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestArenaJournal = JournalMachine.TestCase
