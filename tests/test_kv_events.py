@@ -438,6 +438,43 @@ def test_a_restarted_cache_manager_says_all_blocks_cleared(tiny_config):
         sub.close()
 
 
+def test_blocks_restored_from_the_shared_tier_are_announced_with_their_request_s_first_commit(tiny_config,
+                                                                                            tmp_path):
+    """Replica B restores a conversation's prefix from Redis (written by A): the restored blocks
+    carry no token ids of their own, so B announces them with the request's first commit — before
+    the blocks that chain from them (a router skips a block whose parent it does not know)."""
+    from tests.redis_server import RedisServer
+
+    pub_ep, _ = endpoints()
+    with RedisServer(tmp_path / "redis", None) as redis:
+        shared = {"url": redis.url, "secret": "k" * 32, "lookup_deadline_ms": 3000.0}
+        a_config = tiny_config.replace(shared_cache=shared)
+        b_config = a_config.replace(kv_events={"enabled": True, "endpoint": pub_ep})
+        sub = Subscriber(pub_ep)
+        first = ask(render_image("red", "circle", seed=31))
+
+        async def main():
+            async with Runtime.open(a_config) as a, Runtime.open(b_config) as b:
+                await trio.sleep(0.3)
+                answer = await a.chat_completion(first, temperature=0, max_tokens=20, min_tokens=20)
+                tier = a.registry.require("tiny").actors["shared_tier"]
+                with trio.fail_after(10):
+                    while tier.pending_writes:
+                        await trio.sleep(0.01)
+                second = [*first, {"role": "assistant", "content": answer.text},
+                          {"role": "user", "content": "and the shape?"}]
+                got = await b.chat_completion(second, temperature=0, max_tokens=3)
+                assert got.usage.cached_tokens > 0
+                assert b.registry.require("tiny").prefix_cache.stats()["shared_restored_blocks"] > 0
+                await trio.to_thread.run_sync(sub.drain)
+                assert set(replay_model(sub.seen).cached) == arena_ids(b, "tiny")
+
+        try:
+            trio.run(main)
+        finally:
+            sub.close()
+
+
 # -- the arena's journal: the order KV events are read from -------------------------------------------
 
 from hypothesis import settings, strategies as st  # noqa: E402

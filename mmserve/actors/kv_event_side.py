@@ -7,9 +7,12 @@ events are read from that journal. So a block is announced (`BlockStored`) only 
 committed, and withdrawn (`BlockRemoved`) in the same batch as, and before, anything that
 reuses it — the eviction that frees it is journaled before its new owner can commit it.
 
-A block is announced only with the token ids its `Commit` carried (`Commit.routing`); a block
-cached without them (restored from the shared tier: its lookup carries hashes only) is not
-announced, nor withdrawn — a router sees it as a miss. A reset of the arena (a restart after a
+A block is announced only with the token ids a `Commit` carried (`Commit.routing`). A block cached
+without them (restored from the shared tier: its lookup carries hashes only) is announced when
+the request it was restored for commits its first block (its routing then covers its whole
+cached prefix) — routers (Dynamo's) skip a block whose parent they do not know, so a restored
+prefix left unannounced would hide every block after it. The same covers blocks routers forgot
+after a dropped batch, as requests hit them. A reset of the arena (a restart after a
 fault) or an admin cache reset that leaves nothing cached says `AllBlocksCleared` when this is the
 only model publishing on the replica's stream, else withdraws this model's announced blocks.
 """
@@ -44,9 +47,18 @@ class KVEventSide:
         self._withdraw_all()
 
     def _note_commit(self, msg) -> None:
-        """The token ids of a commit's blocks, for their announcement (read in `_flush_events`)."""
-        if self.events is not None and msg.routing is not None:
-            self._routing.update(stored_blocks(msg.routing, [h for _, h in msg.blocks], self.block_size))
+        """The token ids of a commit's blocks, for their announcement (read in `_flush_events`). Blocks
+        of the request's cached prefix that are cached and were never announced (restored from the
+        shared tier, or forgotten by routers after a dropped batch) are announced now, first."""
+        if self.events is None or msg.routing is None:
+            return
+        blocks = stored_blocks(msg.routing, self.block_size)
+        self._routing.update(blocks)
+        committing = {h for _, h in msg.blocks}
+        for h in blocks:
+            block = self.arena.block_of(h)
+            if h not in committing and h not in self._announced and block is not None:
+                self._journal.append(("stored", block, h))
 
     def _flush_events(self, reset: bool = False) -> None:
         """The journal since the last flush, as one batch: stored blocks in chained runs, removals of
@@ -61,7 +73,7 @@ class KVEventSide:
         for kind, _, h in entries:
             if kind == "stored":
                 block = self._routing.get(h)
-                if block is not None:
+                if block is not None and h not in self._announced:  # (a prefix's block, announced once)
                     stored.append(block)
                     self._announced[h] = block.block
                 continue

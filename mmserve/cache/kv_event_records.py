@@ -67,16 +67,19 @@ def mm_infos(mm: Sequence[MMRouting]) -> dict | None:
 
 @dataclass(frozen=True)
 class BlockRouting:
-    """What a `Commit` tells of its blocks beyond their hashes, for KV events: the hash of the block
-    before the first committed one (None at the start of the prompt), the committed blocks' token
-    ids (flat, in order, `block_size` each, from token `start`), the request's images and its
-    routing group. Built by the generator from what it hashed the blocks with."""
+    """What a `Commit` tells of its blocks beyond their hashes, for KV events: the blocks `hashes`
+    (consecutive, from token `start`: the committed ones, and on a request's first commit also the
+    cached prefix it started with — blocks restored from the shared tier are announced then), the
+    hash of the block before them (None at the start of the prompt), their token ids (flat, in
+    order, `block_size` each), the request's images and its routing group. Built by the generator
+    from what it hashed the blocks with."""
 
     parent: bytes | None
     start: int
     token_ids: tuple[int, ...]
     items: tuple[MMPlaceholder, ...]
     group: str | None
+    hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,10 @@ class StoredBlock:
     group: str | None
 
 
-def stored_blocks(routing: BlockRouting, hashes: Sequence[bytes], block_size: int) -> dict[bytes, StoredBlock]:
-    """Each committed block of a Commit (`hashes`, consecutive, from `routing.start`) as it would be
-    announced, by its hash."""
+def stored_blocks(routing: BlockRouting, block_size: int) -> dict[bytes, StoredBlock]:
+    """Each block a Commit's routing covers, as it would be announced, by its hash (in order)."""
     out, parent = {}, routing.parent
-    for k, h in enumerate(hashes):
+    for k, h in enumerate(routing.hashes):
         lo = k * block_size
         out[h] = StoredBlock(routing_id(h), routing_id(parent) if parent is not None else None,
                              tuple(routing.token_ids[lo:lo + block_size]),
