@@ -204,6 +204,9 @@ def test_stored_after_commit_removed_before_reuse_cleared_on_reset(tiny_config, 
             await trio.to_thread.run_sync(sub.drain)
             assert isinstance(sub.seen[-1][1].events[-1], (VCleared, DCleared))
             assert arena_ids(rt) == set() and replay_model(sub.seen).cached == {}
+            metrics = rt.metrics.render().decode()
+            assert f"mmserve:kv_events_published_total {float(rt.kv_events.published)}" in metrics
+            assert "mmserve:kv_events_dropped_total 0.0" in metrics
 
     try:
         trio.run(main)
