@@ -2,10 +2,12 @@
 wheel, in its own virtual environment: it pins pydantic <= 2.13.5) fed by two replicas' KV events
 (`[kv_events] encoding = "dynamo"`): image A routes to the replica holding A, image B to the other,
 the match is that replica's cached tokens within one block, an eviction lowers it, a reset clears
-it, and a restarted selector catches up by replay until its `/dump` agrees with the arenas.
+it, and a restarted selector catches up by replay until its `/dump` agrees with the arenas. The
+standalone indexer (`python -m dynamo.indexer`) fed the same streams holds the same blocks and
+scores a text prompt to the replica that served it.
 
-The selector's HTTP listener binds 0.0.0.0 and has no flag to bind elsewhere: the test asks it on
-127.0.0.1 only, and the replicas' ZMQ sockets are bound to 127.0.0.1. Its venv comes from
+The selector's and the indexer's HTTP listeners bind 0.0.0.0 and have no flag to bind elsewhere:
+the test asks them on 127.0.0.1 only, and the replicas' ZMQ sockets are bound to 127.0.0.1. Its venv comes from
 `make test` (`.venv-dynamo`), or `MMSERVE_DYNAMO_PYTHON` names its python."""
 
 from __future__ import annotations
@@ -36,17 +38,21 @@ KV_BUDGET = 40 << 10  # 5 blocks of the tiny model: a few other images evict one
 
 
 class Selector:
-    """`python -m dynamo.select_service` on a free port; stopped by SIGTERM, then SIGKILL."""
+    """`python -m dynamo.select_service` (or `dynamo.indexer`) on a free port; stopped by SIGTERM,
+    then SIGKILL."""
+
+    module = "dynamo.select_service"
+    ready = "/health"  # answers {"status": "ok"}
 
     def __init__(self):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([PYTHON, "-m", "dynamo.select_service", "--port", str(self.port),
-                                      "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([PYTHON, "-m", self.module, "--port", str(self.port), "--threads", "1"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 20
         while True:
             try:
-                if self.get("/health")["status"] == "ok":
+                if self.get(self.ready) is not None:
                     return
             except (urllib.error.URLError, ConnectionError):
                 pass
@@ -70,6 +76,18 @@ class Selector:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Indexer(Selector):
+    """`python -m dynamo.indexer`: the standalone KV indexer (scores, no selection)."""
+
+    module = "dynamo.indexer"
+    ready = "/workers"  # its /health answers an empty body
+
+    def register(self, worker: int, config, block_size: int):
+        ev = config.kv_events
+        self.post("/register", {"instance_id": worker, "model_name": "tiny", "block_size": block_size,
+                                "endpoint": ev.endpoint, "replay_endpoint": ev.replay_endpoint})
 
 
 def replica_config(tiny_config):
@@ -128,7 +146,7 @@ async def until(predicate, timeout_s: float = 5.0, what=lambda: None):
 
 def test_dynamo_routes_images_to_the_replica_that_holds_them(tiny_config):
     configs = [replica_config(tiny_config), replica_config(tiny_config)]
-    sel = Selector()
+    sel, idx = Selector(), Indexer()
 
     async def select(keys):
         body = {"model_name": "tiny", "token_ids": keys["token_ids"], "block_mm_infos": keys["block_mm_infos"]}
@@ -140,6 +158,7 @@ def test_dynamo_routes_images_to_the_replica_that_holds_them(tiny_config):
             bs = r1.config.kv_cache.block_size
             for worker, cfg in ((1, configs[0]), (2, configs[1])):
                 await trio.to_thread.run_sync(register, sel, worker, cfg, bs)
+                await trio.to_thread.run_sync(idx.register, worker, cfg, bs)
             await trio.sleep(0.5)  # the selector's SUB sockets joined
             a, b = chat("red", 0), chat("blue", 1)
             await r1.chat_completion(a["messages"], temperature=0, max_tokens=8)
@@ -153,6 +172,16 @@ def test_dynamo_routes_images_to_the_replica_that_holds_them(tiny_config):
             assert abs(pa["overlap"]["longest_matched"] - cached_tokens(r1, ka)) < bs and cached_tokens(r1, ka) > 0
             assert abs(pb["overlap"]["longest_matched"] - cached_tokens(r2, kb)) < bs and cached_tokens(r2, kb) > 0
             before = pa["overlap"]["longest_matched"]
+
+            # the standalone indexer, fed the same streams, holds the same blocks; asked for a text
+            # prompt (its /query takes no images) it scores the replica that served it
+            text = {"model": "tiny", "messages": [{"role": "user", "content": "count to ten, slowly " * 4}]}
+            await r2.chat_completion(text["messages"], temperature=0, max_tokens=4)
+            kt = await r2.routing_keys(text)
+            await until(lambda: dumped(idx) == {1: arena_ids(r1), 2: arena_ids(r2)},
+                        what=lambda: (dumped(idx), arena_ids(r1), arena_ids(r2)))
+            scores = await trio.to_thread.run_sync(idx.post, "/query", {"model_name": "tiny", "token_ids": kt["token_ids"]})
+            assert scores["scores"] and {int(w) for w in scores["scores"]} == {2}, scores
 
             # other images evict A's blocks on replica 1: its match drops with its arena
             for seed in (5, 6, 7):
@@ -185,3 +214,4 @@ def test_dynamo_routes_images_to_the_replica_that_holds_them(tiny_config):
         trio.run(main)
     finally:
         sel.stop()
+        idx.stop()
