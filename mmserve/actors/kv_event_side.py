@@ -65,6 +65,9 @@ class KVEventSide:
         announced blocks. `reset`: an admin cache reset — all cleared when nothing is cached."""
         if self.events is None:
             return
+        if not (self._journal or reset):  # nothing cached or evicted (commits of blocks cached already)
+            self._routing.clear()
+            return
         if self.events.generation != self._generation:  # a batch was dropped: the router forgot it all
             self._generation = self.events.generation
             self._announced.clear()

@@ -1,15 +1,16 @@
 """The KV event publisher of one replica (`[kv_events]`): batches of events (`cache.kv_event_records`)
 from the models' cache managers, published over ZMQ as vLLM's `ZmqEventPublisher` does — a PUB socket
 sending `[topic, seq (8-byte big-endian), payload (msgpack)]`, and a ROUTER socket replaying missed
-batches: a request `[start_seq (8 bytes)]` (from a REQ socket, or a DEALER sending an empty frame
-first) is answered `[seq, payload]` for every buffered batch from `start_seq` on, then `[-1, b""]`.
+batches: a request `["", start_seq (8 bytes)]` (a DEALER sending the empty delimiter a REQ socket
+would, as Dynamo's listener does; a REQ socket would take only the first reply) is answered
+`["", seq, payload]` for every buffered batch from `start_seq` on, then `["", -1, b""]`.
 
 Off the event loop's critical path: a manager hands its batch over with `publish` (never waits: a
 bounded queue); one thread of this publisher owns the sockets, encodes and sends. A batch that
 finds the queue full is dropped and counted (vLLM's publisher would block the scheduler instead);
 since a router that missed it would trust blocks that may be gone, the next batch published starts
 with `AllBlocksCleared`, and `generation` grows so that every manager forgets what it announced (a
-router then learns blocks anew as they are committed: misses at worst, never a wrong route trusted).
+router then learns blocks anew as they are committed or hit: misses at worst, never a gap trusted).
 
 Where this differs from vLLM: the endpoints are always bound (a replica is the stable end; vLLM
 binds only wildcard endpoints), and the first batch is `AllBlocksCleared` (a restarted replica
