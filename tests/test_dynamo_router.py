@@ -50,14 +50,18 @@ class Selector:
         self.proc = subprocess.Popen([PYTHON, "-m", self.module, "--port", str(self.port), "--threads", "1"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 20
-        while True:
-            try:
-                if self.get(self.ready) is not None:
-                    return
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert self.proc.poll() is None and time.time() < deadline, "the selector did not start"
-            time.sleep(0.05)
+        try:
+            while True:
+                try:
+                    if self.get(self.ready) is not None:
+                        return
+                except (urllib.error.URLError, ConnectionError):
+                    pass
+                assert self.proc.poll() is None and time.time() < deadline, f"{self.module} did not start"
+                time.sleep(0.05)
+        except BaseException:  # never left running behind a failed start
+            self.stop()
+            raise
 
     def get(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
@@ -146,7 +150,12 @@ async def until(predicate, timeout_s: float = 5.0, what=lambda: None):
 
 def test_dynamo_routes_images_to_the_replica_that_holds_them(tiny_config):
     configs = [replica_config(tiny_config), replica_config(tiny_config)]
-    sel, idx = Selector(), Indexer()
+    sel = Selector()
+    try:
+        idx = Indexer()
+    except BaseException:
+        sel.stop()
+        raise
 
     async def select(keys):
         body = {"model_name": "tiny", "token_ids": keys["token_ids"], "block_mm_infos": keys["block_mm_infos"]}
