@@ -60,12 +60,22 @@ redis-server:
 	@command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server) || \
 		(echo "redis-server is missing and could not be installed: apt-get install -y redis-server" >&2; exit 1)
 
+# tests/test_dynamo_router.py runs NVIDIA Dynamo's real KV router (`python -m dynamo.select_service`).
+# Its wheel pins pydantic <= 2.13.5, so it gets a virtual environment of its own, not mmserve's:
+# about 275 MB (one wheel, pydantic, uvloop), installed once
+DYNAMO_VENV := .venv-dynamo
+$(DYNAMO_VENV)/.installed:
+	@echo "creating $(DYNAMO_VENV) with ai-dynamo-runtime (Dynamo's KV router for the tests: about 275 MB) ..."
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install --quiet ai-dynamo-runtime==1.6.1
+	touch $@
+
 # MMSERVE_LM_EVAL: the lm_eval command the live lm-eval test runs (set, it must exist: no skip)
-test: $(STAMP_DEV) $(STAMP_LMEVAL) redis-server
+test: $(STAMP_DEV) $(STAMP_LMEVAL) redis-server $(DYNAMO_VENV)/.installed
 	MMSERVE_LM_EVAL=$(abspath $(LMEVAL_VENV))/bin/lm_eval $(BIN)/python -m pytest -q -m "not slow" tests
 
 train-demo: $(STAMP)
 	$(BIN)/mmserve train-demo
 
 clean:
-	rm -rf $(VENV) $(LMEVAL_VENV)
+	rm -rf $(VENV) $(LMEVAL_VENV) $(DYNAMO_VENV)

@@ -9,6 +9,7 @@ import time
 from mmserve.actors.faults import fault
 from mmserve.actors.messages import Commit, FinishEvent, TokenEvent, Usage
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
+from mmserve.cache.kv_event_records import BlockRouting, routing_group
 from mmserve.errors import MMServeError
 from mmserve.generation.scheduler import Planned
 from mmserve.generation.step_sampling import Sampled
@@ -55,8 +56,14 @@ class Answers:
         seq.hashes = seq.chain.extend(seq.hashes, seq.ids[:full * self.block_size])
         new = tuple((i, seq.hashes[i]) for i in range(seq.committed, min(full, len(seq.hashes))))
         seq.committed = full
-        if new:
-            self._note(Commit(seq.kv_owner, new, self.inbox_send, seq.label))  # in the next step report
+        if new:  # with what the blocks hold (token ids, images, group): the manager announces them —
+            # from block 0 on the first commit after a cached prefix (restored ones were never announced)
+            first = 0 if new[0][0] == len(seq.job.prefix.blocks) else new[0][0]
+            lo, hi = first * self.block_size, (new[-1][0] + 1) * self.block_size
+            routing = BlockRouting(seq.hashes[first - 1] if first else None, lo, tuple(seq.ids[lo:hi]), seq.chain.items,
+                                   routing_group(seq.chain.root, seq.handle.request.cache_salt),
+                                   tuple(seq.hashes[first:new[-1][0] + 1]))
+            self._note(Commit(seq.kv_owner, new, self.inbox_send, seq.label, routing))  # in the next step report
 
     def _accept(self, seq: Sequence, sampled: Sampled) -> None:
         """Takes a sampled token; the sequence ends when it is a stop (or completes its grammar),

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import trio
 
+from mmserve.cache.kv_event_records import BlockRouting
+
 
 @dataclass(frozen=True)
 class PrefixFailed:
@@ -164,6 +166,7 @@ class Commit:
     blocks: tuple[tuple[int, bytes], ...]  # (index in its block table, block hash)
     reply: trio.MemorySendChannel | None = None  # where a failure is reported (PrefixFailed)
     label: str | None = None
+    routing: BlockRouting | None = None  # the blocks' token ids, images and group: for KV events
 
 
 @dataclass(frozen=True)

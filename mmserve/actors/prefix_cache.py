@@ -42,6 +42,7 @@ from mmserve.actors.quarantine_side import QuarantineSide
 from mmserve.actors.reservation_side import ReservationSide, send as _send
 from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
+from mmserve.actors.kv_event_side import KVEventSide
 from mmserve.actors.messages import (
     ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release, Resume, Resumed,
     StepFence, StepReport, StepReturned, copy_pin, lookup_pin)
@@ -54,7 +55,7 @@ from mmserve.config import KVCacheConfig
 from mmserve.errors import MMServeError
 
 
-class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
+class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
     name = "prefix_cache"
 
     def __init__(self, model: str, config: KVCacheConfig, num_blocks: int):
@@ -89,7 +90,8 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
         self.epoch += 1
         for step, blocks in self.quarantined.items():  # an abandoned step writes on, whatever life this is
             self.arena.hold(StepFence(step), blocks)
-        self._fence_writers()  # and so does any writer of the arena still in flight: held until it returns
+        self._events_reset()  # KV events: what routers were told of the old arena is void
+        self._fence_writers()  # a writer of the arena still in flight writes on too: held until it returns
 
     def attach_kv(self, runner) -> None:
         """The generator's model runner: its arena's epoch is this manager's life from now on (the
@@ -110,6 +112,7 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
             for parked in self.inflight.expired(trio.current_time()):
                 self.log.info("prefix_cache.wait_expired", request_id=parked.waiter, owner=parked.owner)
                 self._relook(parked, may_wait=False)
+            self._flush_events()  # what this message did to the arena's entries, in its order
             self.progressed()
 
     async def _handle(self, msg) -> None:
@@ -138,6 +141,7 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
             self._resume(msg)
         elif isinstance(msg, ClearCache):
             n = self.arena.clear()
+            self._flush_events(reset=True)
             self.log.info("prefix_cache.cleared", entries=n, kept_referenced=self.arena.num_used())
             _send(msg.reply, n)
         else:
@@ -278,6 +282,7 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, Actor):
 
     def _commit(self, msg: Commit) -> None:
         if self.caching:
+            self._note_commit(msg)  # its blocks' token ids: announced if this commit caches them
             new = [(i, h) for i, h in msg.blocks if self.arena.commit(msg.request_id, i, h)]
             table = self.arena.table(msg.request_id)
             self.log.info("prefix_cache.commit", request_id=msg.request_id, blocks=len(msg.blocks),

@@ -179,6 +179,11 @@ def create_app(rt: Runtime) -> QuartTrio:
         """vLLM's /tokenize (mmserve.runtime.tokenization): a prompt, or chat messages."""
         return await rt.tokenize(await bodies.read(rt.config.server.max_body_bytes))
 
+    @app.post("/v1/routing_keys")
+    async def routing_keys():
+        """A chat request's keys for KV-aware routers fed by [kv_events] (mmserve.runtime.routing_keys)."""
+        return await rt.routing_keys(await bodies.read(rt.config.server.max_body_bytes))
+
     @app.post("/detokenize")
     async def detokenize():
         return await rt.detokenize(await bodies.read(rt.config.server.max_body_bytes))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_images", "peer", "replicas", "structured",
+ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_images", "peer", "replicas", "scaleout", "structured",
                  "engine_overhead", "absolute")
 
 

@@ -47,7 +47,7 @@ from mmserve.cache.keys import key_prefix
 class BlockArena:
     """Bookkeeping of a paged KV arena of `num_blocks` blocks (0 is allowed: nothing fits)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, journal: list | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -66,6 +66,9 @@ class BlockArena:
         self._commits = 0
         self._duplicate_commits = 0
         self._cleared = 0
+        # every hash entry made or erased, in order — ("stored" | "removed", block, hash) — when a list
+        # is given: KV events are read from it (`actors.kv_event_side`), so they follow this order
+        self.journal = journal
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -242,6 +245,8 @@ class BlockArena:
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
         self._commits += 1
+        if self.journal is not None:
+            self.journal.append(("stored", block, block_hash))
         return True
 
     def free(self, owner: Hashable) -> None:
@@ -369,6 +374,8 @@ class BlockArena:
     def _drop_entry(self, block: int) -> bytes:
         h = self._hash_of.pop(block)
         del self._block_of[h]
+        if self.journal is not None:
+            self.journal.append(("removed", block, h))
         return h
 
     def _check_block(self, block: int) -> None:

@@ -5,10 +5,10 @@ from mmserve.config.checks import BUILTIN_PREFIX, DEMO_CHECKPOINTS, DTYPES, HASH
 from mmserve.config.loading import config_from_dict, load_config, with_models
 from mmserve.config.sections import (
     AuthConfig, Config, EncoderCacheConfig, GeneratorConfig, LimitsConfig, LoggingConfig, ModelConfig,
-    KVCacheConfig, RemoteImagesConfig, RuntimeConfig, ServerConfig, SharedCacheConfig, SupervisorConfig)
+    KVCacheConfig, KVEventsConfig, RemoteImagesConfig, RuntimeConfig, ServerConfig, SharedCacheConfig, SupervisorConfig)
 
 __all__ = [
     "AuthConfig", "BUILTIN_PREFIX", "Config", "DEMO_CHECKPOINTS", "DTYPES", "EncoderCacheConfig", "GeneratorConfig",
-    "HASH_ALGORITHMS", "LimitsConfig", "LoggingConfig", "ModelConfig", "KVCacheConfig", "RemoteImagesConfig",
+    "HASH_ALGORITHMS", "LimitsConfig", "LoggingConfig", "ModelConfig", "KVCacheConfig", "KVEventsConfig", "RemoteImagesConfig",
     "RuntimeConfig", "ServerConfig", "SharedCacheConfig", "SupervisorConfig", "config_from_dict", "load_config", "with_models",
 ]

@@ -16,6 +16,7 @@ from mmserve.config.checks import (
     check_number, check_str, check_strings, fail)
 from mmserve.config.hosts import normalize_host_pattern
 from mmserve.config.shared_cache import SharedCacheConfig  # noqa: F401 (a section, kept with its secret's rules)
+from mmserve.config.kv_events import KVEventsConfig  # noqa: F401 (a section of its own module)
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     shared_cache: SharedCacheConfig = field(default_factory=SharedCacheConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -392,4 +394,5 @@ SECTIONS = {
     "logging": LoggingConfig,
     "auth": AuthConfig,
     "shared_cache": SharedCacheConfig,
+    "kv_events": KVEventsConfig,
 }

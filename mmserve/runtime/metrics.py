@@ -136,6 +136,7 @@ class _RuntimeCollector:
         yield from _step_path_metrics(rt, c)
         yield from _encoder_path_metrics(rt, c)
         yield from _shared_tier_metrics(rt, g, c)
+        yield from _kv_event_metrics(rt, c)
         restarts = c("mmserve:actor_restarts", "Actor restarts by the supervisor.", ("actor",))
         for key, state in rt.supervisor.states.items():
             restarts.add_metric([key], state.restarts)
@@ -226,3 +227,18 @@ def _shared_tier_metrics(rt, g, c):
     yield up
     yield from families.values()
     yield rejected
+
+
+def _kv_event_metrics(rt, c):
+    """The replica's KV event stream ([kv_events]): batches published, dropped (queue full), replays."""
+    pub = getattr(rt, "kv_events", None)
+    if pub is None:
+        return
+    stats = pub.stats()
+    for key, doc in (("published", "KV event batches published ([kv_events])."),
+                     ("dropped", "KV event batches dropped because the publisher's queue was full (the next "
+                                 "batch starts with AllBlocksCleared)."),
+                     ("replays", "KV event replay requests answered.")):
+        family = c(f"mmserve:kv_events_{key}", doc, ())
+        family.add_metric([], stats[key])
+        yield family

@@ -229,6 +229,8 @@ class ModelRegistry:
                 if getattr(msg, "handle", None) is not None:
                     msg.handle.fail(gone)
                     stranded += 1
+        if (manager := model.actors.get("prefix_cache")) is not None:
+            manager.detach_events()  # its blocks were withdrawn by its reset above; the stream goes on
         if self.config.runtime.gc_freeze:
             gc_heap.release()  # the model's cycles are collectable again; the next load freezes anew
         self.log.info("registry.model_unloaded", model=name, stranded=stranded)

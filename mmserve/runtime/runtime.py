@@ -38,6 +38,7 @@ from mmserve.generation.vision_step import VisionPath, image_buckets_for
 from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
+from mmserve.runtime.routing_keys import routing_keys
 from mmserve.runtime.sizing import context_tokens, kv_budget
 from mmserve.models.paged import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
@@ -75,6 +76,13 @@ class Runtime:
         # reference (its caller's stream, the actor holding it), never by a prune that may not run
         self._live: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
         self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
+        # KV events for external routers ([kv_events]): one stream per replica, every model's manager on
+        # it. Imported only when on: a replica that does not publish never loads pyzmq
+        self.kv_events = None
+        if config.kv_events.enabled:
+            from mmserve.actors.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events)
         self.metrics = Metrics()
         self.metrics.attach(self)
         self.intake.on_reject = self.metrics.rejected
@@ -111,6 +119,8 @@ class Runtime:
                 body_error = e
             finally:
                 nursery.cancel_scope.cancel()
+                if rt.kv_events is not None:
+                    rt.kv_events.close()
                 if config.runtime.gc_freeze:
                     gc_heap.release()
                 rt.log.info("runtime.stopped", **rt.drained)
@@ -165,6 +175,8 @@ class Runtime:
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
         manager.generator = generator.inbox_send
         manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
+        if self.kv_events is not None and manager.caching:
+            manager.attach_events(self.kv_events)
         vision = VisionPath(adapter, image_buckets_for(rt.graph_image_buckets, adapter.device,
                                                        self.config.encoder_cache.max_batch_images), rt.cuda_graphs)
         encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send, vision)
@@ -279,6 +291,15 @@ class Runtime:
         adapter = await self._adapter(request.model)
         return await trio.to_thread.run_sync(tokenization.tokenize, adapter, request, self.config.limits,
                                              limiter=self.intake.limiter, abandon_on_cancel=True)
+
+    async def routing_keys(self, body: dict) -> dict:
+        """A chat request's keys for KV-aware routers (`runtime.routing_keys`): expanded token ids,
+        per-block image hashes, routing group — as this replica's KV events name its blocks."""
+        request = self.parse(body)
+        adapter = await self._adapter(request.model)
+        return await trio.to_thread.run_sync(routing_keys, adapter, request, self.config.limits,
+                                             self.config.kv_cache.block_size, limiter=self.intake.limiter,
+                                             abandon_on_cancel=True)
 
     async def detokenize(self, body: dict) -> dict:
         """vLLM's `/detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`."""

@@ -1,5 +1,5 @@
 """The benchmark scenarios, one module per group: throughput (1 decode, 2 concurrency), caching
-(3 multi-turn, 4 same image, 5 three images) and versus_peer (6 peer), replicas (7 two servers on one Redis), structured (8 JSON-schema
+(3 multi-turn, 4 same image, 5 three images) and versus_peer (6 peer), replicas (7 two servers on one Redis), scaleout (11 two servers behind SMG, cache-aware vs round-robin), structured (8 JSON-schema
 decoding), engine (9 the host's overhead around a stand-in forward) and absolute (10 the device's
 copy bandwidth and prefill time per token count, for the absolute figures). Each compares side by side,
 in the same run, and returns a dict of measurements plus `rows` for the report's summary table.
@@ -10,6 +10,7 @@ from mmserve.bench.scenarios.absolute import absolute
 from mmserve.bench.scenarios.caching import multiturn, same_image, three_images
 from mmserve.bench.scenarios.engine import engine_overhead
 from mmserve.bench.scenarios.replicas import replicas
+from mmserve.bench.scenarios.scaleout import scaleout
 from mmserve.bench.scenarios.structured import structured
 from mmserve.bench.scenarios.throughput import concurrency, decode
 from mmserve.bench.scenarios.versus_peer import peer
@@ -22,9 +23,10 @@ SCENARIOS = {
     "three_images": three_images,
     "peer": peer,
     "replicas": replicas,
+    "scaleout": scaleout,
     "structured": structured,
     "engine_overhead": engine_overhead,
     "absolute": absolute,
 }
 
-__all__ = ["SCENARIOS", "absolute", "concurrency", "engine_overhead", "decode", "multiturn", "peer", "replicas", "same_image", "structured", "three_images"]
+__all__ = ["SCENARIOS", "absolute", "concurrency", "engine_overhead", "decode", "multiturn", "peer", "replicas", "same_image", "scaleout", "structured", "three_images"]
