@@ -16,6 +16,7 @@ from mmserve.config.checks import (
     check_number, check_str, check_strings, fail)
 from mmserve.config.hosts import normalize_host_pattern
 from mmserve.config.shared_cache import SharedCacheConfig  # noqa: F401 (a section, kept with its secret's rules)
+from mmserve.config.video import VideoConfig
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     shared_cache: SharedCacheConfig = field(default_factory=SharedCacheConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -387,4 +389,5 @@ SECTIONS = {
     "logging": LoggingConfig,
     "auth": AuthConfig,
     "shared_cache": SharedCacheConfig,
+    "video": VideoConfig,
 }
