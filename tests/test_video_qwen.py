@@ -1,4 +1,4 @@
-"""Video on Qwen2-VL and Qwen2.5-VL (tiny random-weight presets, transformers' own classes): the
+"""Video on Qwen2-VL, Qwen2.5-VL and Qwen3-VL (tiny random-weight presets, transformers' own classes): the
 first-step logits of a prompt with a video and an image within 1e-4 of the model's own forward on
 the same frames, and the greedy tokens of the whole Runtime equal to `generate`'s — caches off, caches
 on, and again on the caches' hits (the second question about a file skips decoding: the intake's
@@ -18,21 +18,27 @@ from mmserve import Runtime
 from mmserve.config import Config, ModelConfig, VideoConfig
 from mmserve.errors import BadRequest
 from mmserve.inputs.video import decode_video
-from mmserve.models.demo import render_image
+from mmserve.models.demo import build_untrained, render_image
 from mmserve.models.demo.render_video import encode_mp4, render_clip, video_data_url
 from mmserve.models.loading import load_adapter
+from mmserve.models.paged import KVArena, Segment
+from mmserve.models.qwen3_video import resized_size as qwen3_resized
+from mmserve.models.qwen_video import video_patches
 from mmserve.models.video_item import VideoItem, VideoSampling
 from tests.conftest import on_device
-from tests.family_parity import MARGIN_ABS, chunked_prefill
+from tests.family_parity import MARGIN_ABS
 from tests.helpers import image_part
 
 NEW_TOKENS = 6
 QUESTION = "What color is the shape in the video?"
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen", "tiny-qwen2.5-vl"])
-def family(request, tiny_qwen_dir, tiny_qwen25_dir):
-    path = tiny_qwen_dir if request.param == "tiny-qwen" else tiny_qwen25_dir
+@pytest.fixture(scope="module", params=["tiny-qwen", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def family(request, tiny_qwen_dir, tiny_qwen25_dir, tmp_path_factory):
+    if request.param == "tiny-qwen3-vl":
+        path = build_untrained("tiny-qwen3-vl", tmp_path_factory.mktemp("q3"), seed=0, random_weights=True)
+    else:
+        path = tiny_qwen_dir if request.param == "tiny-qwen" else tiny_qwen25_dir
     return request.param, path, load_adapter(request.param, path)
 
 
@@ -47,17 +53,27 @@ def item(adapter, data: bytes, sampling: VideoSampling) -> VideoItem:
     return VideoItem(video.meta, video.indices, video.content, sampling, lambda: video.frames)
 
 
+def whole_video(adapter, it: VideoItem):
+    """A video's patches and grid as the family's video processor makes them: the whole video at
+    once (Qwen3-VL's prompt splits it into groups; its processor's tensors do not)."""
+    if adapter.config.model_type != "qwen3_vl":
+        return adapter.pixel_values([it])[0]
+    s = adapter.video_settings
+    h, w = qwen3_resized(it, s)
+    grid = (-(-len(it.indices) // s.temporal_patch_size), h // s.patch_size, w // s.patch_size)
+    return type(adapter.pixel_values([render_image("red", "circle")])[0])(video_patches(it.frames(), (h, w), s),
+                                                                          grid, True)
+
+
 def hf_inputs(adapter, messages: list[dict], items: list) -> dict:
-    """The model's inputs, as Qwen2VLProcessor / Qwen2_5_VLProcessor build them from the frames."""
+    """The model's inputs, as the family's processor builds them from the frames."""
     prompt = adapter.tokenize(messages, items)
-    pixels = adapter.pixel_values(items)
     ids = torch.tensor([prompt.input_ids])
-    types = torch.zeros_like(ids)
-    for span, it in zip(prompt.spans, items):
-        types[0, span.start:span.start + span.length] = 2 if isinstance(it, VideoItem) else 1
+    types = (ids == adapter.image_token_id).int() + 2 * (ids == adapter.video_token_id).int()
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
-    images = [p for p in pixels if not p.video]
-    videos = [p for p in pixels if p.video]
+    images = [adapter.pixel_values([it])[0] for it in items if not isinstance(it, VideoItem)]
+    videos = [whole_video(adapter, it) for it in items if isinstance(it, VideoItem)]
+    pixels = images + videos
     if images:
         out["pixel_values"] = torch.cat([p.patches for p in images])
         out["image_grid_thw"] = torch.tensor([p.grid for p in images])
@@ -67,9 +83,25 @@ def hf_inputs(adapter, messages: list[dict], items: list) -> dict:
         if adapter.config.model_type == "qwen2_5_vl":
             tps = adapter.video_settings.temporal_patch_size
             out["second_per_grid_ts"] = torch.tensor([tps / v.sampled_fps for v in items if isinstance(v, VideoItem)])
-    for span, it, p in zip(prompt.spans, items, pixels):
-        assert span.length == int(np.prod(p.grid)) // adapter.merge_size ** 2  # the processor's count
+    counts = sum(int(np.prod(p.grid)) // adapter.merge_size ** 2 for p in pixels)
+    assert counts == int((types > 0).sum())  # the processor's token counts
     return out, prompt
+
+
+def chunked_logits(adapter, prompt, rows, chunk: int = 7) -> torch.Tensor:
+    """The prompt through the paged arena in chunks of 7 tokens (ending inside videos), each
+    chunk's rows handed over by `step_inputs` (Qwen3-VL's DeepStack levels too) -> last logits."""
+    n = len(prompt.input_ids)
+    arena = KVArena.for_model(adapter, 1 << 22, 16)
+    table = tuple(range(-(-n // 16)))
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        pieces = [(max(s, sp.start) - s, r[max(s, sp.start) - sp.start:min(e, sp.start + sp.length) - sp.start])
+                  for sp, r in zip(prompt.spans, rows) if max(s, sp.start) < min(e, sp.start + sp.length)]
+        embeds, kw = adapter.step_inputs(prompt.input_ids[s:e], pieces)
+        logits = adapter.forward_paged(embeds, [Segment(table, s, e - s)], arena, adapter.rope_positions(prompt, n, s, e),
+                                       lm_kwargs=kw)
+    return logits[0]
 
 
 def generate(adapter, hf: dict) -> list[int]:
@@ -84,8 +116,8 @@ def test_first_step_logits_equal_transformers_forward(family, clips):
     items = [image, item(adapter, clips[0], VideoSampling(fps=3.0))]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": QUESTION}]}]
     hf, prompt = hf_inputs(adapter, messages, items)
-    rows = adapter.encode_images(adapter.pixel_values(items))
-    logits = chunked_prefill(adapter, prompt, rows)  # chunks of 7: prefix ends inside the video, exact
+    rows = adapter.encode_images(adapter.pixel_values(list(prompt.images)))
+    logits = chunked_logits(adapter, prompt, rows)
     with torch.inference_mode():
         ref = adapter.model(**hf).logits[0, -1]
     diff = float((logits - ref).abs().max())

@@ -166,7 +166,7 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
     else:
         prompt = adapter.tokenize(hf_messages(request), images, hf_tools(adapter, request),
                                   request.template.render_args() or None)
-        keys = tuple(adapter.image_key(img) for img in images)
+        keys = tuple(adapter.image_key(img) for img in (prompt.images or images))  # a video may be several items
         prompt = dataclasses.replace(prompt, mm_keys=keys)
     param = "messages" if request.prompt is None else "prompt"
     max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)

@@ -52,6 +52,7 @@ class QwenVideoSettings:
     image_mean: tuple[float, ...] = _CLIP_MEAN
     image_std: tuple[float, ...] = _CLIP_STD
     rescale_factor: float = 1 / 255
+    processor: str = "Qwen2VLVideoProcessor"  # whose arithmetic (sampling, resize) these settings drive
     extra: dict = field(default_factory=dict, compare=False)  # other keys of the saved config
 
     @property
@@ -60,7 +61,7 @@ class QwenVideoSettings:
 
     def digest(self) -> int:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        return processor_digest({"video_processor": "Qwen2VLVideoProcessor", **d})
+        return processor_digest({"video_processor": self.processor, **d})
 
 
 def load_settings(path: Path, **overrides) -> QwenVideoSettings:

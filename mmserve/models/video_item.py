@@ -76,9 +76,20 @@ class VideoItem:
         return frames
 
 
-def is_video(item) -> bool:
-    return isinstance(item, VideoItem)
-
-
 # (metadata) -> the indices of the frames to keep, ascending: the family's frame sampling
 Plan = Callable[[VideoMeta], tuple[int, ...]]
+
+
+@dataclass(frozen=True, eq=False)
+class VideoGroup:
+    """One temporal group of a video (`temporal_patch_size` frames: one grid row of t) as an item
+    of its own: Qwen3-VL writes each group's timestamp as text before it, so each has a span."""
+
+    video: VideoItem
+    group: int
+    groups: int
+    timestamp: float  # seconds (the mean of its first and last frame's times)
+
+
+def is_video(item) -> bool:
+    return isinstance(item, (VideoItem, VideoGroup))
