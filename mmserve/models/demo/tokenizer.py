@@ -88,6 +88,12 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}"
 )
+# LLaVA-OneVision's video token; its demo template writes it for a video part
+VIDEO = "<video>"
+ONEVISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- elif part['type'] in ('text', 'input_text') -%}",
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '" + VIDEO + "' -}}"
+    "{%- elif part['type'] in ('text', 'input_text') -%}")
 # a video part renders as Qwen's own templates render it (the image and text parts as before)
 QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<image>' -}}", "{{- '" + QWEN_IMAGE + "' -}}").replace(
     "{%- elif part['type'] in ('text', 'input_text') -%}",
@@ -154,6 +160,11 @@ def demo_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, chat_templa
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     return demo_tokenizer(image_token=IMAGE)
+
+
+def build_onevision_tokenizer() -> PreTrainedTokenizerFast:
+    """The demo BPE with `<image>` and `<video>` (LLaVA-OneVision's two placeholders)."""
+    return demo_tokenizer(SPECIAL_TOKENS + (VIDEO,), ONEVISION_CHAT_TEMPLATE, image_token=IMAGE, video_token=VIDEO)
 
 
 def build_qwen_tokenizer() -> PreTrainedTokenizerFast:

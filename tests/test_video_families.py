@@ -1,4 +1,4 @@
-"""Video on Qwen2-VL, Qwen2.5-VL and Qwen3-VL (tiny random-weight presets, transformers' own classes): the
+"""Video on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision (tiny random-weight presets, transformers' own classes): the
 first-step logits of a prompt with a video and an image within 1e-4 of the model's own forward on
 the same frames, and the greedy tokens of the whole Runtime equal to `generate`'s — caches off, caches
 on, and again on the caches' hits (the second question about a file skips decoding: the intake's
@@ -33,10 +33,10 @@ NEW_TOKENS = 6
 QUESTION = "What color is the shape in the video?"
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-llava-onevision"])
 def family(request, tiny_qwen_dir, tiny_qwen25_dir, tmp_path_factory):
-    if request.param == "tiny-qwen3-vl":
-        path = build_untrained("tiny-qwen3-vl", tmp_path_factory.mktemp("q3"), seed=0, random_weights=True)
+    if request.param in ("tiny-qwen3-vl", "tiny-llava-onevision"):
+        path = build_untrained(request.param, tmp_path_factory.mktemp("v"), seed=0, random_weights=True)
     else:
         path = tiny_qwen_dir if request.param == "tiny-qwen" else tiny_qwen25_dir
     return request.param, path, load_adapter(request.param, path)
@@ -67,6 +67,8 @@ def whole_video(adapter, it: VideoItem):
 
 def hf_inputs(adapter, messages: list[dict], items: list) -> dict:
     """The model's inputs, as the family's processor builds them from the frames."""
+    if adapter.config.model_type == "llava_onevision":
+        return onevision_inputs(adapter, messages, items)
     prompt = adapter.tokenize(messages, items)
     ids = torch.tensor([prompt.input_ids])
     types = (ids == adapter.image_token_id).int() + 2 * (ids == adapter.video_token_id).int()
@@ -85,6 +87,21 @@ def hf_inputs(adapter, messages: list[dict], items: list) -> dict:
             out["second_per_grid_ts"] = torch.tensor([tps / v.sampled_fps for v in items if isinstance(v, VideoItem)])
     counts = sum(int(np.prod(p.grid)) // adapter.merge_size ** 2 for p in pixels)
     assert counts == int((types > 0).sum())  # the processor's token counts
+    return out, prompt
+
+
+def onevision_inputs(adapter, messages: list[dict], items: list) -> dict:
+    """LlavaOnevisionProcessor's tensors: the images' tiles and sizes, the videos' frames
+    [videos, T, C, S, S] (one frame count per prompt, as its batching needs)."""
+    prompt = adapter.tokenize(messages, items)
+    pixels = adapter.pixel_values(items)
+    out = adapter.generate_inputs(prompt, [p for p in pixels if not p.video])
+    videos = [p.patches for p in pixels if p.video]
+    if videos:
+        out["pixel_values_videos"] = torch.stack(videos)
+    s = adapter.video_settings
+    n_video = sum(s.tokens(len(it.indices)) for it in items if isinstance(it, VideoItem))
+    assert n_video == int((out["input_ids"] == adapter.video_token_id).sum())  # the processor's count
     return out, prompt
 
 
