@@ -59,13 +59,15 @@ def test_video_limits_frame_lists_and_remote_videos(tiny_qwen25_dir):
             assert e.status == 400 and "at most 1 videos" in e.message
             e = await refused(rt, **ask(two[:1], mm_processor_kwargs={"num_frames": 4}))
             assert e.status == 400 and e.param == "mm_processor_kwargs"
-            model = lambda: rt.registry.loaded["q"].encoder  # noqa: E731
+            with pytest.raises(MMServeError, match="does not take video parts"):
+                await rt.tokenize({"messages": ask(two[:1])["messages"]})
+            entries = lambda: rt.stats()["q"]["encoder"]["entries"]  # noqa: E731  (distinct videos encoded)
             as_urls = await rt.chat_completion(**ask(two[:1], mm_processor_kwargs={"fps": 3}))
             as_array = await rt.chat_completion(**ask([{"type": "video", "video": array}], mm_processor_kwargs={"fps": 3}))
-            assert as_urls.choices[0].text == as_array.choices[0].text and model().items_encoded == 1
+            assert as_urls.choices[0].text == as_array.choices[0].text and entries() == 1
             inline = await rt.chat_completion(**ask([{"type": "video_url", "video_url": {"url": video_data_url(clip)}}]))
             remote = await rt.chat_completion(**ask([{"type": "video_url", "video_url": {"url": server.url("/clip.mp4")}}]))
-            assert inline.choices[0].text == remote.choices[0].text and model().items_encoded == 2  # one video
+            assert inline.choices[0].text == remote.choices[0].text and entries() == 2  # one video: one key
         async with Runtime.open(config.replace(limits=REMOTE, video={"max_bytes": len(clip) - 1})) as rt:
             e = await refused(rt, **ask([{"type": "video_url", "video_url": {"url": server.url("/clip.mp4")}}]))
             assert e.status == 413 and e.param == "messages[0].content (video 0)"

@@ -1,7 +1,8 @@
 """Teach the committed ``demo-qwen`` two video questions (CPU, deterministic): a third stage over its
 trained weights.
 
-``python -m mmserve.models.demo.qwen_video_train [--out DIR] [--steps N]``
+``.venv/bin/python scripts/train_demo_qwen_video.py [--out DIR] [--steps N]`` (a script: it reads clips
+as the server's intake does, a layer above the demo models)
 
 - "What color is the shape in the video?" (one shape of one colour through the clip) and "Does the
   shape move?" (yes / no), over mp4 clips `render_video` draws and PyAV encodes, read back exactly
@@ -25,12 +26,12 @@ import time
 import numpy as np
 import torch
 
-from . import data, render
-from .evaluate import TASKS
-from .qwen import build_inputs, qwen_checkpoint_dir
-from .qwen_evaluate import make_sized_examples
-from .render_video import Q_VIDEO_COLOR, Q_VIDEO_MOVES, encode_mp4, render_clip
-from .tokenizer import QWEN_CHAT_TEMPLATE
+from mmserve.models.demo import data, render
+from mmserve.models.demo.evaluate import TASKS
+from mmserve.models.demo.qwen import build_inputs, qwen_checkpoint_dir
+from mmserve.models.demo.qwen_evaluate import make_sized_examples
+from mmserve.models.demo.render_video import Q_VIDEO_COLOR, Q_VIDEO_MOVES, encode_mp4, render_clip
+from mmserve.models.demo.tokenizer import QWEN_CHAT_TEMPLATE
 
 TRAIN_SEED = 7_000_000  # clip seeds from here on; evaluation draws from EVAL_SEED
 EVAL_SEED = 9_000_000
