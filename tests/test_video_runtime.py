@@ -6,6 +6,8 @@ file sent inline."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import numpy as np
 import pytest
 import trio
@@ -49,10 +51,11 @@ def test_a_model_without_video_refuses_it_and_goes_on(tiny_config):
 def test_video_limits_frame_lists_and_remote_videos(tiny_qwen25_dir):
     frames = render_clip("blue", "square", True, frames=6)
     array = np.stack([np.asarray(f) for f in frames])
-    clip = encode_mp4(render_clip("red", "circle", True, frames=16), fps=8)
     config = on_device(Config(models=(ModelConfig("q", str(tiny_qwen25_dir), default=True),)))
 
     async def main(server: ImageServer):
+        with urllib.request.urlopen(server.url("/clip.mp4")) as r:  # inline: the very bytes the server sends
+            clip = r.read()
         async with Runtime.open(config.replace(limits=REMOTE, video={"max_videos_per_request": 1})) as rt:
             two = [{"type": "video", "video": [data_url(f) for f in frames]}] * 2
             e = await refused(rt, **ask(two))

@@ -61,6 +61,7 @@ def encode_mp4(frames: list[Image.Image], fps: int = 8) -> bytes:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames[0].size
         stream.pix_fmt = "yuv420p"
+        stream.codec_context.thread_count = 1  # one encoder thread: the same bytes in every process
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_image(frame)):
                 container.mux(packet)
