@@ -169,14 +169,14 @@ def device_options(args: argparse.Namespace, params=None) -> dict:
 
 
 def _scenario_list(text: str) -> tuple[str, ...]:
-    from mmserve.bench.params import ALL_SCENARIOS
+    from mmserve.bench.params import KNOWN_SCENARIOS
 
     names = {n.strip() for n in text.split(",") if n.strip()}
-    unknown = sorted(names - set(ALL_SCENARIOS))
+    unknown = sorted(names - set(KNOWN_SCENARIOS))
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; "
-                                         f"choose from {', '.join(ALL_SCENARIOS)}")
-    return tuple(n for n in ALL_SCENARIOS if n in names)
+                                         f"choose from {', '.join(KNOWN_SCENARIOS)}")
+    return tuple(n for n in KNOWN_SCENARIOS if n in names)
 
 
 def _trace(args: argparse.Namespace) -> int:

@@ -44,6 +44,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(302, b"", headers={"Location": query["to"]})
         elif name == "loop":
             self._send(302, b"", headers={"Location": "/loop"})
+        elif name == "clip.mp4":  # a 2 s video (tests/test_video_runtime.py)
+            from mmserve.models.demo.render_video import encode_mp4, render_clip
+            self._send(200, encode_mp4(render_clip("red", "circle", True, frames=16), fps=8), "video/mp4")
         elif name == "text":
             self._send(200, b"hello, this is not an image", "text/plain")
         elif name == "big":

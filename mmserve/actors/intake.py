@@ -25,12 +25,15 @@ from mmserve.errors import BadRequest, MMServeError, UnprocessableImage, clip, i
 
 from mmserve.inputs.image_budget import check_image_size
 from mmserve.models.adapter import Adapter, PromptInputs
-from mmserve.config import KVCacheConfig, LimitsConfig
+from mmserve.cache.video_memo import VideoMemo
+from mmserve.config import KVCacheConfig, LimitsConfig, VideoConfig
 from mmserve.inputs.images import data_url_bytes, open_image, processor_rgb
 from mmserve.inputs.remote_images import fetch_images, is_remote_url
 from mmserve.inputs.request import ChatRequest, ImagePart, RawPrompt, TextPart
 from mmserve.inputs.text_bound import fewest_tokens
 from mmserve.inputs.tools import hf_tool_calls
+from mmserve.inputs.video_parts import VideoPart
+from mmserve.inputs.video_read import VideosRead, check_videos, read_videos
 
 
 def hf_messages(request: ChatRequest) -> list[dict]:
@@ -48,7 +51,8 @@ def hf_messages(request: ChatRequest) -> list[dict]:
             out.append(msg)
             continue
         content = [
-            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else
+            {"type": "video"} if isinstance(p, VideoPart) else {"type": "image"}
             for p in m.parts
         ]
         out.append({"role": m.role, "content": content})
@@ -72,30 +76,63 @@ def _image_parts(request: ChatRequest):
             yield (i, j), f"messages[{i}].content (image {j})", part
 
 
+def _video_parts(request: ChatRequest):
+    """`(key, where, part)` for every video of the request, in prompt order."""
+    for i, m in enumerate(request.messages):
+        for j, part in enumerate(p for p in m.parts if isinstance(p, VideoPart)):
+            yield ("video", i, j), f"messages[{i}].content (video {j})", part
+
+
+def _media_keys(request: ChatRequest) -> list:
+    """The keys of the request's images and videos (`_image_parts`, `_video_parts`) in prompt order."""
+    keys = []
+    for i, m in enumerate(request.messages):
+        counts = {ImagePart: 0, VideoPart: 0}
+        for part in m.parts:
+            if isinstance(part, (ImagePart, VideoPart)):
+                j = counts[type(part)]
+                counts[type(part)] += 1
+                keys.append((i, j) if isinstance(part, ImagePart) else ("video", i, j))
+    return keys
+
+
 def remote_urls(request: ChatRequest) -> dict[tuple[int, int], tuple[str, str]]:
-    """`{key: (url, where)}` of the request's remote `http(s)` images."""
-    return {key: (part.url, where) for key, where, part in _image_parts(request)
+    """`{key: (url, where)}` of the request's remote `http(s)` images (a frame list's frames too)."""
+    urls = {key: (part.url, where) for key, where, part in _image_parts(request)
+            if part.url is not None and is_remote_url(part.url)}
+    for key, where, part in _video_parts(request):
+        urls.update({(key, k): (f, f"{where}.video[{k}]") for k, f in enumerate(part.frames)
+                     if isinstance(f, str) and is_remote_url(f)})
+    return urls
+
+
+def remote_video_urls(request: ChatRequest) -> dict:
+    """`{key: (url, where)}` of the request's remote video files (fetched under [video] max_bytes)."""
+    return {key: (part.url, where) for key, where, part in _video_parts(request)
             if part.url is not None and is_remote_url(part.url)}
 
 
 def decode_images(request: ChatRequest, limits: LimitsConfig, fetched: dict | None = None,
-                  label: str | None = None) -> list:
-    """Every image of the request, decoded to RGB, in prompt order (runs in a worker thread).
+                  label: str | None = None, videos: dict | None = None) -> list:
+    """Every image of the request, decoded to RGB, and its videos (`videos`, by key, read by
+    `read_videos`), in prompt order (runs in a worker thread).
 
     Remote images come as bytes already fetched (`fetched`, by `remote_urls` key) and take the
     same validation as inline ones. `label` is the client's request id (for fault hooks only).
     """
     if request.num_images:
         fault("image.decode", label)
-    images = []
+    images = {}
     for key, where, part in _image_parts(request):
         if part.image is not None:
-            images.append(_embedded_image(part.image, where))
+            images[key] = _embedded_image(part.image, where)
         elif fetched is not None and key in fetched:
-            images.append(open_image(fetched[key], limits, where))
+            images[key] = open_image(fetched[key], limits, where)
         else:
-            images.append(open_image(data_url_bytes(part.url, limits, where), limits, where))
-    return images
+            images[key] = open_image(data_url_bytes(part.url, limits, where), limits, where)
+    if videos is None:
+        return list(images.values())
+    return [images[key] if key in images else videos[key] for key in _media_keys(request)]
 
 
 def _embedded_image(image, where: str):
@@ -122,7 +159,8 @@ def refuse_prompt_beyond_arena(prompt_tokens: int, arena_tokens: int | None, par
 def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: LimitsConfig,
             label: str | None = None, arena_tokens: int | None = None) -> PromptInputs:
     fault("intake.prepare", label)
-    for (_, where, _), img in zip(_image_parts(request), images):  # before the processor pays for it
+    still = [img for img in images if isinstance(img, Image.Image)]
+    for (_, where, _), img in zip(_image_parts(request), still):  # before the processor pays for it
         check_image_size(adapter.image_processor, img.width, img.height, limits, where)
     param = "messages" if request.prompt is None else "prompt"
     max_pos = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 0)
@@ -134,7 +172,7 @@ def prepare(adapter: Adapter, request: ChatRequest, images: list, limits: Limits
     else:
         prompt = adapter.tokenize(hf_messages(request), images, hf_tools(adapter, request),
                                   request.template.render_args() or None)
-        keys = tuple(adapter.image_key(img) for img in images)
+        keys = tuple(adapter.image_key(img) for img in (prompt.images or images))  # a video may be several items
         prompt = dataclasses.replace(prompt, mm_keys=keys)
     if request.options.truncate_prompt_tokens is not None:
         prompt = truncated(adapter, prompt, request.options.truncate_prompt_tokens, limits, max_pos)
@@ -191,11 +229,18 @@ def raw_prompt_ids(adapter: Adapter, raw: RawPrompt) -> tuple[int, ...]:
 
 
 def _decode_and_prepare(adapter: Adapter, request: ChatRequest, limits: LimitsConfig, fetched, label,
-                        block_size: int | None, arena_tokens: int | None = None):
+                        block_size: int | None, arena_tokens: int | None = None,
+                        video: VideoConfig = VideoConfig(), known: dict | None = None, read: VideosRead | None = None):
     """Every step in one worker-thread hop: (prompt, its full-block hashes, decode seconds,
-    preprocess seconds). No block hashes without a prefix cache (`block_size` None)."""
+    preprocess seconds). No block hashes without a prefix cache (`block_size` None). Videos are
+    read against `known` (the intake's memo, a snapshot) into `read`."""
     t0 = time.monotonic()
-    images = decode_images(request, limits, fetched, label)
+    parts = list(_video_parts(request))
+    if parts:
+        check_videos(adapter, parts, request.video, video)
+        got = read_videos(adapter, parts, request.video, video, limits, fetched, known or {}, request.cache_salt)
+        read.items, read.learnt, read.hits = got.items, got.learnt, got.hits
+    images = decode_images(request, limits, fetched, label, read.items if parts else None)
     t1 = time.monotonic()
     prompt = prepare(adapter, request, images, limits, label, arena_tokens)
     hashes = () if block_size is None else tuple(prompt_block_hashes(
@@ -209,9 +254,13 @@ class Intake(Actor):
     ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
 
     def __init__(self, limits: LimitsConfig, route: Callable[[RequestHandle], AsyncContextManager[Route]],
-                 kv: KVCacheConfig = KVCacheConfig(), lookup_timeout_s: float = 2.0):
+                 kv: KVCacheConfig = KVCacheConfig(), lookup_timeout_s: float = 2.0, video: VideoConfig = VideoConfig()):
         super().__init__()
         self.limits = limits
+        self.video = video
+        self.video_memo = VideoMemo(video.identity_memo_entries)  # a video file's decoded identity (video_read)
+        # remote video files are fetched under the remote-image rules, with [video] max_bytes
+        self.video_fetch_limits = dataclasses.replace(limits, remote_image_max_bytes=video.max_bytes)
         self.block_size = kv.block_size if kv.prefix_caching else None
         # a lookup may wait for another request's commit; past this the request computes alone
         self.lookup_wait_s = kv.inflight_wait_s + lookup_timeout_s
@@ -231,7 +280,7 @@ class Intake(Actor):
                 # (its images' data URLs, its output channel) alive until the next one arrives
                 del msg
 
-    async def _fetch(self, handle: RequestHandle, urls: dict, log) -> dict | None:
+    async def _fetch(self, handle: RequestHandle, urls: dict, log, limits: LimitsConfig | None = None) -> dict | None:
         """Fetches the request's remote images; None when the caller left (the fetch is cancelled).
 
         Nothing cancels this task when the caller goes away (it only sets `handle.aborted`), so a
@@ -249,7 +298,7 @@ class Intake(Actor):
             async def fetch() -> None:
                 nonlocal result, error
                 try:
-                    result = await fetch_images(urls, self.limits, log, self.fetch_limiter)
+                    result = await fetch_images(urls, limits or self.limits, log, self.fetch_limiter)
                 except MMServeError as e:  # raised below as itself, not wrapped in an ExceptionGroup
                     error = e
                 nursery.cancel_scope.cancel()
@@ -310,17 +359,21 @@ class Intake(Actor):
         request, adapter = handle.request, route.adapter
         t_fetch = time.monotonic()
         fetched = None
-        urls = remote_urls(request)
-        if urls:
-            fetched = await self._fetch(handle, urls, log)
-            if fetched is None:
-                log.info("intake.aborted")
-                return
+        for urls, limits in ((remote_urls(request), None), (remote_video_urls(request), self.video_fetch_limits)):
+            if urls:
+                got = await self._fetch(handle, urls, log, limits)
+                if got is None:
+                    log.info("intake.aborted")
+                    return
+                fetched = {**(fetched or {}), **got}
         t0 = time.monotonic()
+        read = VideosRead()
+        known = self.video_memo.snapshot() if any(True for _ in _video_parts(request)) else None
         prompt, hashes, decode_s, preprocess_s = await trio.to_thread.run_sync(
             _decode_and_prepare, adapter, request, self.limits, fetched, handle.client_request_id,
-            self.block_size if route.prefix_cache is not None else None, route.arena_tokens,
+            self.block_size if route.prefix_cache is not None else None, route.arena_tokens, self.video, known, read,
             limiter=self.limiter, abandon_on_cancel=True)  # a hung decode never holds a shutdown
+        self._remember_videos(read, log)
         log.info("intake.prepared", prompt_tokens=len(prompt.input_ids), images=len(prompt.spans),
                  image_tokens=[span.length for span in prompt.spans],
                  queued_s=round(t_fetch - handle.created, 6), fetch_s=round(t0 - t_fetch, 6),
@@ -333,6 +386,16 @@ class Intake(Actor):
             route.encoder.send_nowait(EncodeJob(handle, prompt, prefix))
         elif prefix.registered:
             route.prefix_cache.send_nowait(Release(handle.request_id))
+
+    def _remember_videos(self, read: VideosRead, log) -> None:
+        """What the read learnt goes into the memo (its hits refreshed), here on the intake's task."""
+        for source in read.hits:
+            self.video_memo.touch(source)
+        for source, identity in read.learnt.items():
+            self.video_memo.put(source, identity)
+        if read.items:
+            log.info("video.read", videos=len(read.items), decoded=len(read.learnt), memo_hits=len(read.hits),
+                     frames=[len(item.indices) for item in read.items.values()])
 
     async def _look_up(self, handle: RequestHandle, prefix_cache, hashes: tuple[bytes, ...],
                        prompt_len: int) -> PrefixState | None:

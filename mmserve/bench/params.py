@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, replace
 
 ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_images", "peer", "replicas", "scaleout", "structured",
                  "engine_overhead", "absolute")
+# run only when named (--scenarios video): they need a family the default preset is not (video: bench-qwen)
+OPT_IN_SCENARIOS = ("video",)
+KNOWN_SCENARIOS = ALL_SCENARIOS + OPT_IN_SCENARIOS
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ ENCODER_KEY_LAYOUT_VERSION = 2
 
 MODALITY_IMAGE = 1
 MODALITY_AUDIO = 2
+MODALITY_VIDEO = 3
+VIDEO_LAYOUT_VERSION = 1  # a video's content digest, mm_hash header and source key (`video_header`)
 
 # Fixed seeds, one per kind of key ("MMSERV" + a kind number). Never change them: keys are shared
 # across processes and machines.
@@ -46,6 +48,8 @@ SEED_MM_HASH = 0x4D4D_5345_5256_0003
 SEED_BLOCK_HASH = 0x4D4D_5345_5256_0004
 SEED_WEIGHT_CONTENT = 0x4D4D_5345_5256_0005
 SEED_ENCODER_KEY = 0x4D4D_5345_5256_0008  # 6 and 7 are the shared tier's (cache/shared_values.py)
+SEED_VIDEO_CONTENT = 0x4D4D_5345_5256_0009  # a video's sampled frames
+SEED_VIDEO_SOURCE = 0x4D4D_5345_5256_000A  # a video file's bytes and the settings it is read under
 
 # Hash algorithms of the tenant-controlled content keys. Kept equal to
 # mmserve.config.HASH_ALGORITHMS (cache/ does not import config; a test checks they agree).
@@ -288,6 +292,64 @@ def mm_hash_audio(
     check_hash_algorithm(algorithm)
     arr = _hashable_array(samples, "samples")
     return _mm_digest(audio_header(model_sig, processor_digest, arr, sample_rate), arr, algorithm)
+
+
+# -- video ------------------------------------------------------------------------------------------
+
+
+def video_content_digest(frames: np.ndarray, algorithm: str = HASH_XXH3_128) -> bytes:
+    """16 bytes over a video's sampled frames as decoded (RGB, before any resize):
+    u16 version | u8 modality=3 | u32 frames | u32 height | u32 width | u32 channels | the frames' bytes."""
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4:
+        raise UncacheableInput(f"video frames must be a [T, H, W, C] uint8 array, got {getattr(frames, 'shape', frames)!r}")
+    header = u16(VIDEO_LAYOUT_VERSION) + u8(MODALITY_VIDEO) + b"".join(u32(n, "dimension") for n in frames.shape)
+    hasher = content_hasher(SEED_VIDEO_CONTENT, algorithm)
+    hasher.update(header)
+    hasher.update(np.ascontiguousarray(frames))
+    return hasher.digest()
+
+
+def video_header(model_sig: int, processor_digest: int, content: bytes, *, settings: Mapping,
+                 indices: tuple[int, ...], source_fps: float, total_frames: int, size: tuple[int, int],
+                 resized: tuple[int, int], grid: tuple[int, int, int]) -> bytes:
+    """Everything a video's mm_hash covers (layout version 1):
+    u16 version | u8 modality=3 | u64 model_sig | u64 video processor digest | content digest (16)
+    | settings (u32 len + canonical JSON: the request's fps / num_frames / pixel budgets as resolved)
+    | f64 LE source fps | u32 source frames | u32 width | u32 height | u32 resized height
+    | u32 resized width | u32 grid_t | u32 grid_h | u32 grid_w | u32 sampled frames | u32 per index.
+    The sampled indices (with the source fps: the frames' timestamps), the resize result and the
+    grid (with the temporal patch size in the processor digest: how frames are grouped) are in the
+    key outright, so the same file sampled two ways never shares an entry."""
+    if type(content) is not bytes or len(content) != CONTENT_KEY_BYTES:
+        raise ValueError(f"a video's content digest is {CONTENT_KEY_BYTES} bytes, got {content!r}")
+    if not indices or len(grid) != 3 or min(grid) < 1:
+        raise ValueError(f"a video needs sampled frames and a (t, h, w) grid, got {indices!r}, {grid!r}")
+    return b"".join([
+        _mm_prefix(MODALITY_VIDEO, model_sig, processor_digest, VIDEO_LAYOUT_VERSION), content,
+        lp_bytes(canonical_json(settings)), struct.pack("<d", float(source_fps)), u32(total_frames, "frames"),
+        u32(size[0], "width"), u32(size[1], "height"), u32(resized[0], "height"), u32(resized[1], "width"),
+        *(u32(n, "grid") for n in grid), u32(len(indices), "frames"), *(u32(i, "frame index") for i in indices),
+    ])
+
+
+def mm_hash_video(model_sig: int, processor_digest: int, content: bytes, *, algorithm: str = HASH_XXH3_128,
+                  **fields) -> bytes:
+    """16-byte content key of a sampled video under one model: `algorithm` over `video_header`."""
+    return content_key(video_header(model_sig, processor_digest, content, **fields), SEED_MM_HASH, algorithm)
+
+
+def video_source_key(model_sig: int, processor_digest: int, cache_salt: str | None, settings: Mapping,
+                     data: bytes, *, algorithm: str = HASH_XXH3_128) -> bytes:
+    """16 bytes naming a video file read under one model's sampling settings, for one tenant:
+    u16 version | u64 model_sig | u64 video processor digest | u8 has_salt | salt (u32 len + utf-8)
+    | settings (u32 len + canonical JSON) | the file's bytes. What the intake's memo of decoded
+    identities is keyed by, so a second question about a file skips decoding it."""
+    salt = "" if cache_salt is None else cache_salt
+    hasher = content_hasher(SEED_VIDEO_SOURCE, algorithm)
+    hasher.update(u16(VIDEO_LAYOUT_VERSION) + u64(model_sig, "model_sig") + u64(processor_digest, "processor_digest")
+                  + u8(int(cache_salt is not None)) + lp_str(salt) + lp_bytes(canonical_json(settings)))
+    hasher.update(data)
+    return hasher.digest()
 
 
 # -- encoder-output key ---------------------------------------------------------------------------

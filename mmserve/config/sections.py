@@ -17,6 +17,7 @@ from mmserve.config.checks import (
 from mmserve.config.hosts import normalize_host_pattern
 from mmserve.config.shared_cache import SharedCacheConfig  # noqa: F401 (a section, kept with its secret's rules)
 from mmserve.config.kv_events import KVEventsConfig  # noqa: F401 (a section of its own module)
+from mmserve.config.video import VideoConfig
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     shared_cache: SharedCacheConfig = field(default_factory=SharedCacheConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -395,4 +397,5 @@ SECTIONS = {
     "auth": AuthConfig,
     "shared_cache": SharedCacheConfig,
     "kv_events": KVEventsConfig,
+    "video": VideoConfig,
 }

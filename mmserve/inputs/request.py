@@ -20,6 +20,7 @@ from mmserve.inputs.extensions import (VLLM_FIELDS, RequestOptions, TemplateOpti
                                        sampling_extensions, structured_grammar, template_options, wants_echo)
 from mmserve.generation.tool_calls import ToolCall
 from mmserve.inputs.tools import Tools, parse_tool_call_id, parse_tool_calls, parse_tools
+from mmserve.inputs.video_parts import VIDEO_FIELDS, VideoPart, VideoSampling, parse_video_part, video_sampling
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ImagePart:
 @dataclass(frozen=True)
 class Message:
     role: str
-    parts: tuple[TextPart | ImagePart, ...]
+    parts: tuple[TextPart | ImagePart | VideoPart, ...]
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
@@ -75,6 +76,7 @@ class ChatRequest:
     # /v1/completions: a raw prompt, tokenized without the chat template (`messages` is empty)
     prompt: RawPrompt | None = None
     options: RequestOptions = RequestOptions()  # vLLM's request_id, truncate_prompt_tokens, ...
+    video: VideoSampling = VideoSampling()  # vLLM's mm_processor_kwargs: fps, num_frames, pixel budgets
 
     @property
     def num_images(self) -> int:
@@ -89,7 +91,7 @@ _KNOWN = {
     "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "cache_salt", "min_tokens",
     "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-} | _IGNORED | VLLM_FIELDS
+} | _IGNORED | VLLM_FIELDS | VIDEO_FIELDS
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
@@ -299,12 +301,12 @@ def _image_part(part: dict, where: str, limits: LimitsConfig) -> ImagePart:
     return ImagePart(url=url)
 
 
-def _parts(content: Any, where: str, role: str, limits: LimitsConfig) -> tuple[TextPart | ImagePart, ...]:
+def _parts(content: Any, where: str, role: str, limits: LimitsConfig) -> tuple:
     if isinstance(content, str):
         return (TextPart(content),)
     if not isinstance(content, list) or not content:
         raise BadRequest(f"{where}.content must be a string or a non-empty list of content parts", param=f"{where}.content")
-    parts: list[TextPart | ImagePart] = []
+    parts: list = []
     for j, part in enumerate(content):
         pw = f"{where}.content[{j}]"
         if not isinstance(part, dict):
@@ -314,13 +316,13 @@ def _parts(content: Any, where: str, role: str, limits: LimitsConfig) -> tuple[T
             if not isinstance(part.get("text"), str):
                 raise BadRequest(f"{pw}: a text part needs a 'text' string", param=pw)
             parts.append(TextPart(part["text"]))
-        elif kind in ("image_url", "image"):
+        elif kind in ("image_url", "image", "video_url", "video"):
             if role != "user":
-                raise BadRequest(f"{pw}: images are only allowed in user messages", param=pw)
-            parts.append(_image_part(part, pw, limits))
+                raise BadRequest(f"{pw}: {kind.split('_')[0]}s are only allowed in user messages", param=pw)
+            parts.append((_image_part if kind.startswith("image") else parse_video_part)(part, pw, limits))
         else:
-            raise BadRequest(
-                f"{pw}: unsupported content part type {clip(kind)}; supported: 'text', 'image_url'", param=pw)
+            raise BadRequest(f"{pw}: unsupported content part type {clip(kind)}; supported: 'text', 'image_url', "
+                             "'video_url', 'video'", param=pw)
     return tuple(parts)
 
 
@@ -413,5 +415,6 @@ def parse_chat_request(body: Any, limits: LimitsConfig, default_model: str) -> C
         template=template,
         echo=echo_text(messages, template) if wants_echo(body) else "",
         options=request_options(body),
+        video=video_sampling(body),
     )
 

@@ -37,9 +37,12 @@ from transformers import AutoTokenizer, LlavaOnevisionImageProcessorPil, LlavaOn
 from transformers.models.llava_onevision.modeling_llava_onevision import (get_anyres_image_grid_shape,
                                                                           image_size_to_num_patches)
 
-from mmserve.cache.keys import image_identity, processor_digest
+from mmserve.cache.keys import image_identity, mm_hash_video, processor_digest
 from mmserve.models.adapter import Adapter, PromptInputs
+from mmserve.models.onevision_video import onevision_settings, sample_indices, video_pixels
 from mmserve.models.qwen2_vl import _saved_template
+from mmserve.models.qwen_video import expand_placeholders
+from mmserve.models.video_item import Plan, VideoItem, VideoSampling, is_video
 from mmserve.models.random_weights import load_model
 
 # image processors whose arithmetic the PIL one reproduces (the torchvision one's resize differs
@@ -55,6 +58,7 @@ class OnevisionPixels:
 
     patches: torch.Tensor
     size: tuple[int, int]  # (height, width) of the image as the processor got it
+    video: bool = False  # a video's frames [T, C, S, S] (`onevision_video`), pooled by the tower's video path
 
 
 class LlavaOnevisionAdapter(Adapter):
@@ -92,6 +96,25 @@ class LlavaOnevisionAdapter(Adapter):
                              f"takes {tile}x{tile}")
         self.processor_settings = settings
         self.tile = tile
+        vid = getattr(config, "video_token_id", None)
+        self.video_token_id = None if vid in (None, config.text_config.pad_token_id) else int(vid)
+        self.video_settings = onevision_settings(ip, vision)
+        self.video_digest = self.video_settings.digest()
+
+    @property
+    def supports_video(self) -> bool:
+        """A video token of its own that the chat template writes for a video part (probed once)."""
+        if getattr(self, "_supports_video", None) is None:
+            try:
+                text = self.render_prompt([{"role": "user", "content": [{"type": "video"}]}])
+                ids = self.tokenizer([text])["input_ids"][0]
+                self._supports_video = self.video_token_id is not None and ids.count(self.video_token_id) == 1
+            except Exception:  # a template that cannot render a video part
+                self._supports_video = False
+        return self._supports_video
+
+    def video_plan(self, sampling: VideoSampling, frame_cap: int) -> Plan:
+        return lambda meta: sample_indices(meta, sampling, frame_cap)
 
     def _processor_digest(self) -> int:
         return onevision_processor_digest(self.image_processor.to_dict(), self.processor_settings)
@@ -110,13 +133,26 @@ class LlavaOnevisionAdapter(Adapter):
                  template: Mapping | None = None) -> PromptInputs:
         """The prompt's tokens with each image's `<image>` repeated to its count, and its spans;
         pixels are left for the encoder (`pixel_values`) to make on a miss."""
-        counts = [self.tokens_per_image(img) for img in images]
-        input_ids, spans = self._expanded_prompt(messages, counts, tools, template)
+        counts = [self.video_settings.tokens(len(img.indices)) if is_video(img) else self.tokens_per_image(img)
+                  for img in images]
+        if any(is_video(img) for img in images):  # `<video>` pads too: T pooled frame maps and one newline each
+            compact = self.tokenizer([self.render_prompt(messages, tools, template)])["input_ids"][0]
+            pads = [self.video_token_id if is_video(img) else self.image_token_id for img in images]
+            input_ids, spans = expand_placeholders(compact, list(zip(pads, counts)))
+        else:
+            input_ids, spans = self._expanded_prompt(messages, counts, tools, template)
         return PromptInputs(input_ids, None, spans, images=tuple(images))
 
     def image_key(self, image) -> bytes | None:
         """The mm_hash with the image's tiling folded in (layout v2: tokens, tile rows, tile
-        columns): it fixes the image's token count and so where the text after it sits."""
+        columns): it fixes the image's token count and so where the text after it sits. A video's:
+        `keys.video_header`, its grid (frames, pooled side, pooled side)."""
+        if is_video(image):
+            meta, s = image.meta, self.video_settings
+            return mm_hash_video(self.model_sig, self.video_digest, image.content, algorithm=self.hash_algorithm,
+                                 settings={"kind": image.kind, **image.sampling.settings()}, indices=image.indices,
+                                 source_fps=meta.fps, total_frames=meta.total_frames, size=(meta.width, meta.height),
+                                 resized=(s.tile, s.tile), grid=(len(image.indices), s.pooled_side, s.pooled_side))
         rows, cols = self.tiles(image)
         return image_identity(self.model_sig, self.processor_digest, image, algorithm=self.hash_algorithm,
                               grid=(self.tokens_per_image(image), rows, cols))
@@ -127,6 +163,9 @@ class LlavaOnevisionAdapter(Adapter):
         out = []
         grid = self.model.config.image_grid_pinpoints
         for img in images:
+            if isinstance(img, VideoItem):
+                out.append(OnevisionPixels(video_pixels(img.frames(), self.video_settings), (self.tile, self.tile), True))
+                continue
             batch = self.image_processor(images=[img], return_tensors="pt")
             patches = batch["pixel_values"][0]
             size = (img.height, img.width)
@@ -153,7 +192,21 @@ class LlavaOnevisionAdapter(Adapter):
     @torch.inference_mode()
     def encode_images(self, items: Sequence[OnevisionPixels]) -> list[torch.Tensor]:
         """The vision tower, projector and transformers' packing (unpad, pooling, newline rows)
-        over images of any sizes in one call: one [tokens_per_image, hidden] tensor per image."""
+        over images of any sizes in one call: one [tokens_per_image, hidden] tensor per image.
+        Videos go one per call through the tower's video path (frames pooled, one newline row)."""
+        out: list = [None] * len(items)
+        images = [i for i, it in enumerate(items) if not it.video]
+        if images:
+            for i, rows in zip(images, self._encode_images([items[i] for i in images])):
+                out[i] = rows
+        for i, it in enumerate(items):
+            if it.video:
+                pixels = it.patches.unsqueeze(0).to(self.device, self.dtype)
+                out[i] = self.model.model.get_video_features(pixel_values_videos=pixels,
+                                                             return_dict=True).pooler_output[0].contiguous()
+        return out
+
+    def _encode_images(self, items: Sequence[OnevisionPixels]) -> list[torch.Tensor]:
         pixels = torch.cat([it.patches for it in items]).to(self.device, self.dtype)
         sizes = torch.tensor([it.size for it in items], dtype=torch.long, device=self.device)
         out = self.model.model.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True)

@@ -18,6 +18,10 @@ What is new in the family lives where mmserve does not reach:
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import torch
+
 from mmserve.models.qwen2_vl import Qwen2VLAdapter
 
 
@@ -29,3 +33,10 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         if self.model.config.model_type != "qwen2_5_vl":
             raise ValueError(f"model {self.name!r}: {self.path} holds a {self.model.config.model_type!r} model, "
                              f"not Qwen2.5-VL")
+
+    def video_rope_kwargs(self, videos: Sequence) -> dict:
+        """`second_per_grid_ts`: the seconds one temporal patch of each video spans (temporal patch
+        size / the sampled frames' fps, as `Qwen2_5_VLProcessor` computes it), which spaces the
+        video's temporal positions at `tokens_per_second` (absolute-time M-RoPE)."""
+        tps = self.video_settings.temporal_patch_size
+        return {"second_per_grid_ts": torch.tensor([tps / v.sampled_fps for v in videos], dtype=torch.float32)}

@@ -26,9 +26,12 @@ import torch
 from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from mmserve.cache.keys import image_identity, processor_digest
+from mmserve.cache.keys import image_identity, mm_hash_video, processor_digest
 from mmserve.models.adapter import Adapter, PromptInputs
+from mmserve.models.qwen_video import (expand_placeholders, load_settings, resized_size, video_grid, video_patches,
+                                       video_plan)
 from mmserve.models.random_weights import load_model
+from mmserve.models.video_item import Plan, VideoSampling, is_video
 
 # image processors whose arithmetic the PIL one reproduces (the fast one's torchvision resize
 # differs from PIL's by rounding only); any other needs code this install cannot run
@@ -41,6 +44,7 @@ class QwenPixels:
 
     patches: torch.Tensor
     grid: tuple[int, int, int]  # (t, h, w) in patches
+    video: bool = False  # a video's frames (the tower's video path), not an image
 
 
 class Qwen2VLAdapter(Adapter):
@@ -61,6 +65,27 @@ class Qwen2VLAdapter(Adapter):
         if int(self.model.config.vision_config.spatial_merge_size) != self.merge_size:
             raise ValueError(f"model {self.name!r}: the image processor merges {self.merge_size}x{self.merge_size} "
                              f"patches, the vision tower {self.model.config.vision_config.spatial_merge_size}")
+        self.video_token_id = getattr(self.model.config, "video_token_id", None)
+        self.video_settings = load_settings(self.path)
+        self.video_digest = self.video_settings.digest()
+
+    @property
+    def supports_video(self) -> bool:
+        """The model has a video token and its chat template renders a video part as it (probed once)."""
+        known = getattr(self, "_supports_video", None)
+        if known is None:
+            try:
+                text = self.render_prompt([{"role": "user", "content": [{"type": "video"}]}])
+                ids = self.tokenizer([text])["input_ids"][0]
+                known = self.video_token_id is not None and ids.count(self.video_token_id) == 1
+            except Exception:  # a template that cannot render a video part
+                known = False
+            self._supports_video = known
+        return known
+
+    def video_plan(self, sampling: VideoSampling, frame_cap: int) -> Plan:
+        """Which frames of a video to keep, from its metadata (the video processor's sampling)."""
+        return video_plan(sampling, self.video_settings, frame_cap)
 
     def _processor_digest(self) -> int:
         return processor_digest(self.image_processor.to_dict())
@@ -75,34 +100,57 @@ class Qwen2VLAdapter(Adapter):
                             min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
         return (1, h // int(ip.patch_size), w // int(ip.patch_size))
 
+    def item_grid(self, item) -> tuple[int, int, int]:
+        """An image's grid, or a video's (`qwen_video.video_grid`)."""
+        return video_grid(item, self.video_settings) if is_video(item) else self.grid(item)
+
     def tokens_per_image(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
         return t * h * w // (self.merge_size ** 2)
 
     def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None,
                  template: Mapping | None = None) -> PromptInputs:
-        """The prompt's tokens with each image's pad token repeated to its count, its spans, and
-        its 3-D positions; pixels are left for the encoder (`pixel_values`) to make on a miss."""
-        grids = [self.grid(img) for img in images]
+        """The prompt's tokens with each image's (or video's) pad token repeated to its count, its
+        spans, and its 3-D positions; pixels are left for the encoder (`pixel_values`) to make on a
+        miss. `images` holds the prompt's images and videos (`VideoItem`) in prompt order."""
+        grids = [self.item_grid(item) for item in images]
         counts = [self.tokens_per_image(g) for g in grids]
-        input_ids, spans = self._expanded_prompt(messages, counts, tools, template)
-        positions, delta = self._rope_index(input_ids, spans, grids)
+        if not any(is_video(item) for item in images):
+            input_ids, spans = self._expanded_prompt(messages, counts, tools, template)
+        else:
+            compact = self.tokenizer([self.render_prompt(messages, tools, template)])["input_ids"][0]
+            pads = [self.video_token_id if is_video(item) else self.image_token_id for item in images]
+            input_ids, spans = expand_placeholders(compact, list(zip(pads, counts)))
+        positions, delta = self._rope_index(input_ids, spans, grids, images)
         return PromptInputs(input_ids, None, spans, images=tuple(images), rope_positions=positions, rope_delta=delta)
 
     def tokenize_raw(self, input_ids: Sequence[int]) -> PromptInputs:
         """A text-only prompt's tokens and its (1-D, repeated) M-RoPE positions."""
         input_ids = tuple(int(t) for t in input_ids)
-        positions, delta = self._rope_index(input_ids, (), [])
+        positions, delta = self._rope_index(input_ids, (), [], ())
         return PromptInputs(input_ids, None, (), rope_positions=positions, rope_delta=delta)
 
-    def _rope_index(self, input_ids, spans, grids) -> tuple[torch.Tensor, int]:
+    def _rope_index(self, input_ids, spans, grids, items) -> tuple[torch.Tensor, int]:
+        """The model's own `get_rope_index` (images typed 1, videos 2, as its processor types them)."""
         ids = torch.tensor([input_ids], dtype=torch.long)
         types = torch.zeros_like(ids, dtype=torch.int)
-        for span in spans:
-            types[0, span.start:span.start + span.length] = 1
-        grid_thw = torch.tensor(grids, dtype=torch.long) if grids else None
-        positions, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid_thw)
+        videos = [is_video(item) for item in items]
+        for span, video in zip(spans, videos):
+            types[0, span.start:span.start + span.length] = 2 if video else 1
+        image_grids = [g for g, v in zip(grids, videos) if not v]
+        video_grids = [g for g, v in zip(grids, videos) if v]
+        kwargs = {}
+        if video_grids:
+            kwargs["video_grid_thw"] = torch.tensor(video_grids, dtype=torch.long)
+            kwargs.update(self.video_rope_kwargs([item for item, v in zip(items, videos) if v]))
+        grid_thw = torch.tensor(image_grids, dtype=torch.long) if image_grids else None
+        positions, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid_thw,
+                                                            **kwargs)
         return positions[:, 0].contiguous(), int(deltas[0, 0])
+
+    def video_rope_kwargs(self, videos: Sequence) -> dict:
+        """What the family's `get_rope_index` takes about the prompt's videos beyond their grids."""
+        return {}
 
     def rope_positions(self, prompt: PromptInputs, ids_len: int, start: int, end: int) -> torch.Tensor:
         """Positions of tokens [start, end): the prompt's own, then index + rope_delta."""
@@ -117,7 +165,15 @@ class Qwen2VLAdapter(Adapter):
 
     def image_key(self, image) -> bytes | None:
         """The mm_hash with the image's grid folded in (layout v2): the grid fixes the image's
-        token count and the positions of everything after it."""
+        token count and the positions of everything after it. A video's: `keys.video_header`."""
+        if is_video(image):
+            meta, n = image.meta, len(image.indices)
+            return mm_hash_video(
+                self.model_sig, self.video_digest, image.content, algorithm=self.hash_algorithm,
+                settings={"kind": image.kind, **image.sampling.settings()}, indices=image.indices,
+                source_fps=meta.fps, total_frames=meta.total_frames, size=(meta.width, meta.height),
+                resized=resized_size(meta.height, meta.width, n, image.sampling, self.video_settings),
+                grid=self.item_grid(image))
         return image_identity(self.model_sig, self.processor_digest, image, algorithm=self.hash_algorithm,
                               grid=self.grid(image))
 
@@ -126,6 +182,9 @@ class Qwen2VLAdapter(Adapter):
         prompt's placeholders were counted with."""
         out = []
         for img in images:
+            if is_video(img):
+                out.append(self._video_pixels(img))
+                continue
             batch = self.image_processor(images=[img], return_tensors="pt")
             grid = tuple(int(x) for x in batch["image_grid_thw"][0])
             if grid != self.grid(img):
@@ -133,15 +192,34 @@ class Qwen2VLAdapter(Adapter):
             out.append(QwenPixels(batch["pixel_values"], grid))
         return out
 
+    def _video_pixels(self, item) -> QwenPixels:
+        """A video's patches (`qwen_video.video_patches`), from its frames (decoded now if not kept)."""
+        s, n = self.video_settings, len(item.indices)
+        resized = resized_size(item.meta.height, item.meta.width, n, item.sampling, s)
+        return QwenPixels(video_patches(item.frames(), resized, s), self.item_grid(item), video=True)
+
     # -- model steps -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def encode_images(self, items: Sequence[QwenPixels]) -> list[torch.Tensor]:
-        """The vision tower and merger over images of any sizes in one call (its attention is
-        per image): one [tokens_per_image, hidden] tensor per image."""
+        """The vision tower and merger over images (and videos) of any sizes, one call per kind
+        (its attention is per image, per video): one [tokens, hidden] tensor per item, in order."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for video in (False, True):
+            which = [i for i, it in enumerate(items) if it.video == video]
+            if which:
+                for i, rows in zip(which, self._tower([items[i] for i in which], video)):
+                    out[i] = rows
+        return out
+
+    def _tower(self, items: Sequence[QwenPixels], video: bool) -> list[torch.Tensor]:
         patches = torch.cat([it.patches for it in items]).to(self.device, self.dtype)
         grid_thw = torch.tensor([it.grid for it in items], dtype=torch.long, device=self.device)
-        out = self.model.model.get_image_features(pixel_values=patches, image_grid_thw=grid_thw, return_dict=True)
+        if video:
+            out = self.model.model.get_video_features(pixel_values_videos=patches, video_grid_thw=grid_thw,
+                                                      return_dict=True)
+        else:
+            out = self.model.model.get_image_features(pixel_values=patches, image_grid_thw=grid_thw, return_dict=True)
         return [f.contiguous() for f in out.pooler_output]
 
 

@@ -26,11 +26,17 @@ step) with each level's rows in that order.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
+from mmserve.cache.keys import mm_hash_video
+from mmserve.models.adapter import PromptInputs
 from mmserve.models.qwen2_vl import Qwen2VLAdapter, QwenPixels
+from mmserve.models.qwen3_video import (group_frames, groups, load_qwen3_settings, resized_size, sample_indices,
+                                        timestamped_prompt)
+from mmserve.models.qwen_video import expand_placeholders, video_patches
+from mmserve.models.video_item import Plan, VideoGroup, VideoItem, VideoSampling, is_video
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
@@ -45,6 +51,62 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         self.deepstack_levels = len(config.vision_config.deepstack_visual_indexes)
         text = self.language_model
         text._deepstack_process = dense_deepstack(text._deepstack_process)
+        self.video_settings = load_qwen3_settings(self.path)
+        self.video_digest = self.video_settings.digest()
+
+    # -- video (`qwen3_video`: timestamps in the prompt, one item per temporal group) -------------
+
+    def video_plan(self, sampling: VideoSampling, frame_cap: int) -> Plan:
+        return lambda meta: sample_indices(meta, sampling, self.video_settings, frame_cap)
+
+    def item_grid(self, item) -> tuple[int, int, int]:
+        if isinstance(item, VideoGroup):
+            h, w = resized_size(item.video, self.video_settings)
+            return (1, h // self.video_settings.patch_size, w // self.video_settings.patch_size)
+        return super().item_grid(item)
+
+    def tokenize(self, messages: list[dict], images: Sequence, tools: list[dict] | None = None,
+                 template: Mapping | None = None) -> PromptInputs:
+        """Each video becomes its temporal groups, each after its timestamp (`qwen3_video`)."""
+        if not any(isinstance(item, VideoItem) for item in images):
+            return super().tokenize(messages, images, tools, template)
+        tok = self.tokenizer
+        videos = [groups(item, self.video_settings) for item in images if isinstance(item, VideoItem)]
+        text = timestamped_prompt(self.render_prompt(messages, tools, template), videos,
+                                  tok.convert_ids_to_tokens(self.model.config.vision_start_token_id),
+                                  tok.convert_ids_to_tokens(self.video_token_id),
+                                  tok.convert_ids_to_tokens(self.model.config.vision_end_token_id))
+        it = iter(videos)
+        items = [g for item in images for g in (next(it) if isinstance(item, VideoItem) else [item])]
+        grids = [self.item_grid(item) for item in items]
+        pads = [self.video_token_id if is_video(item) else self.image_token_id for item in items]
+        input_ids, spans = expand_placeholders(tok([text])["input_ids"][0],
+                                               list(zip(pads, (self.tokens_per_image(g) for g in grids))))
+        positions, delta = self._rope_index(input_ids, spans, grids, items)
+        return PromptInputs(input_ids, None, spans, images=tuple(items), rope_positions=positions, rope_delta=delta)
+
+    def image_key(self, image) -> bytes | None:
+        """A video group's key: the video's key fields, with the group and its timestamp in the settings."""
+        if not isinstance(image, VideoGroup):
+            return super().image_key(image)
+        video, meta = image.video, image.video.meta
+        settings = {"kind": video.kind, **video.sampling.settings(), "group": image.group, "groups": image.groups,
+                    "timestamp": image.timestamp}
+        return mm_hash_video(self.model_sig, self.video_digest, video.content, algorithm=self.hash_algorithm,
+                             settings=settings, indices=video.indices, source_fps=meta.fps,
+                             total_frames=meta.total_frames, size=(meta.width, meta.height),
+                             resized=resized_size(video, self.video_settings), grid=self.item_grid(image))
+
+    def pixel_values(self, images: Sequence) -> list[QwenPixels]:
+        out = []
+        for item in images:
+            if isinstance(item, VideoGroup):
+                frames = group_frames(item, self.video_settings)
+                patches = video_patches(frames, resized_size(item.video, self.video_settings), self.video_settings)
+                out.append(QwenPixels(patches, self.item_grid(item), video=True))
+            else:
+                out += super().pixel_values([item])
+        return out
 
     @property
     def encoder_width(self) -> int:
@@ -57,7 +119,8 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     def encode_images(self, items: Sequence[QwenPixels]) -> list[torch.Tensor]:
         """The vision tower, merger and DeepStack mergers over images of any sizes in one call
         (its attention is per image): one [tokens_per_image, hidden * (1 + levels)] tensor per
-        image, the input embedding first, then each level in the order of the text layers."""
+        image, the input embedding first, then each level in the order of the text layers. A video
+        group's patches go the same way (`get_video_features` is `get_image_features`)."""
         patches = torch.cat([it.patches for it in items]).to(self.device, self.dtype)
         grid_thw = torch.tensor([it.grid for it in items], dtype=torch.long, device=self.device)
         out = self.model.model.get_image_features(pixel_values=patches, image_grid_thw=grid_thw, return_dict=True)

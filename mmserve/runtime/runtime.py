@@ -69,7 +69,8 @@ class Runtime:
         self.supervisor = Supervisor(config.supervisor)
         self.supervisor.attach(nursery)
         self.registry = ModelRegistry(config, self.supervisor, self._build_actors)
-        self.intake = Intake(config.limits, self._route, config.kv_cache, config.generator.lookup_timeout_s)
+        self.intake = Intake(config.limits, self._route, config.kv_cache, config.generator.lookup_timeout_s,
+                             video=config.video)
         self.log = get_logger("runtime")
         self.started = time.time()
         # every request admitted and not yet gone, held weakly: a handle leaves with its last

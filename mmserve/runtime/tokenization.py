@@ -10,6 +10,7 @@ from __future__ import annotations
 from mmserve.actors.intake import decode_images, hf_messages, hf_tools, remote_urls
 from mmserve.config import LimitsConfig
 from mmserve.errors import BadRequest, clip
+from mmserve.inputs.video_parts import VideoPart
 from mmserve.inputs.image_budget import check_image_size
 from mmserve.inputs.tokenize import DetokenizeRequest, TokenizeRequest
 from mmserve.models.adapter import Adapter
@@ -26,6 +27,8 @@ def token_ids(adapter: Adapter, request: TokenizeRequest, limits: LimitsConfig) 
     chat = request.chat
     if remote_urls(chat):
         raise BadRequest("/tokenize takes images as data: URLs only (it fetches nothing)", param="messages")
+    if any(isinstance(p, VideoPart) for m in chat.messages for p in m.parts):
+        raise BadRequest("/tokenize does not take video parts (it decodes no video)", param="messages")
     images = decode_images(chat, limits)
     for img in images:
         check_image_size(adapter.image_processor, img.width, img.height, limits, "messages")

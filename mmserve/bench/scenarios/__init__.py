@@ -1,7 +1,8 @@
 """The benchmark scenarios, one module per group: throughput (1 decode, 2 concurrency), caching
 (3 multi-turn, 4 same image, 5 three images) and versus_peer (6 peer), replicas (7 two servers on one Redis), scaleout (11 two servers behind SMG, cache-aware vs round-robin), structured (8 JSON-schema
 decoding), engine (9 the host's overhead around a stand-in forward) and absolute (10 the device's
-copy bandwidth and prefill time per token count, for the absolute figures). Each compares side by side,
+copy bandwidth and prefill time per token count, for the absolute figures) and video (12, opt-in: a
+second question about one clip, decode rate, peak memory). Each compares side by side,
 in the same run, and returns a dict of measurements plus `rows` for the report's summary table.
 Times are seconds unless named `_ms`. Part of the `mmserve bench` entry point: it may import
 anything in mmserve."""
@@ -14,6 +15,7 @@ from mmserve.bench.scenarios.scaleout import scaleout
 from mmserve.bench.scenarios.structured import structured
 from mmserve.bench.scenarios.throughput import concurrency, decode
 from mmserve.bench.scenarios.versus_peer import peer
+from mmserve.bench.scenarios.video import video
 
 SCENARIOS = {
     "decode": decode,
@@ -27,6 +29,7 @@ SCENARIOS = {
     "structured": structured,
     "engine_overhead": engine_overhead,
     "absolute": absolute,
+    "video": video,
 }
 
-__all__ = ["SCENARIOS", "absolute", "concurrency", "engine_overhead", "decode", "multiturn", "peer", "replicas", "same_image", "scaleout", "structured", "three_images"]
+__all__ = ["SCENARIOS", "absolute", "concurrency", "engine_overhead", "decode", "multiturn", "peer", "replicas", "same_image", "scaleout", "structured", "three_images", "video"]

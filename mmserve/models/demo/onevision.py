@@ -21,7 +21,7 @@ from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGene
 from mmserve.models.random_weights import remove_marker, write_random_weights
 
 from .common import ProcessorSettings, lookup_preset, save_checkpoint
-from .tokenizer import build_tokenizer, generation_config
+from .tokenizer import build_onevision_tokenizer, generation_config
 
 @dataclasses.dataclass(frozen=True)
 class OnevisionPreset:
@@ -115,7 +115,8 @@ def build_onevision_config(preset: str | OnevisionPreset, tokenizer) -> LlavaOne
     config = LlavaOnevisionConfig(
         vision_config=vision, text_config=text,
         image_token_id=tokenizer.image_token_id,
-        video_token_id=tokenizer.pad_token_id,  # no video: an id the prompts never hold as video
+        # without a <video> token (the LLaVA demo's tokenizer): an id no prompt holds as video
+        video_token_id=getattr(tokenizer, "video_token_id", None) or tokenizer.pad_token_id,
         vision_feature_select_strategy="full", vision_feature_layer=-1,
         vision_aspect_ratio=p.vision_aspect_ratio,
         image_grid_pinpoints=[list(g) for g in p.grid_pinpoints],
@@ -143,7 +144,7 @@ def checkpoint_parts(p: OnevisionPreset, tokenizer) -> list:
 def build_untrained_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
     """Tokenizer + image processor + processor settings + random-init model, saved to out_dir."""
     p = get_onevision_preset(preset)
-    tokenizer = build_tokenizer()
+    tokenizer = build_onevision_tokenizer()
     model = build_onevision_model(p, tokenizer, seed=seed)
     remove_marker(out_dir)
     return save_checkpoint(model, checkpoint_parts(p, tokenizer), out_dir)
@@ -152,6 +153,6 @@ def build_untrained_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Pa
 def write_random_onevision(preset: str, out_dir, seed: int = 0) -> pathlib.Path:
     """A random-weights directory of a LLaVA-OneVision preset (no weight file)."""
     p = get_onevision_preset(preset)
-    tok = build_tokenizer()
+    tok = build_onevision_tokenizer()
     return write_random_weights(out_dir, build_onevision_config(p, tok), generation_config(tok), checkpoint_parts(p, tok),
                                 tok, seed=seed, dtype=p.dtype, preset=p.name)

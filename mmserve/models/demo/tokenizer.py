@@ -33,6 +33,7 @@ VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
     "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 QWEN_SPECIAL_TOKENS = (BOS, EOS, PAD, VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
 QWEN_IMAGE = VISION_START + IMAGE_PAD + VISION_END
+QWEN_VIDEO = VISION_START + VIDEO_PAD + VISION_END
 
 _TOOLS_PREAMBLE = ("# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
                    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>")
@@ -87,7 +88,17 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- 'assistant:' -}}{%- endif -%}"
 )
-QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<image>' -}}", "{{- '" + QWEN_IMAGE + "' -}}")
+# LLaVA-OneVision's video token; its demo template writes it for a video part
+VIDEO = "<video>"
+ONEVISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- elif part['type'] in ('text', 'input_text') -%}",
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '" + VIDEO + "' -}}"
+    "{%- elif part['type'] in ('text', 'input_text') -%}")
+# a video part renders as Qwen's own templates render it (the image and text parts as before)
+QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<image>' -}}", "{{- '" + QWEN_IMAGE + "' -}}").replace(
+    "{%- elif part['type'] in ('text', 'input_text') -%}",
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{- '" + QWEN_VIDEO + "' -}}"
+    "{%- elif part['type'] in ('text', 'input_text') -%}")
 
 
 def _corpus() -> list[str]:
@@ -149,6 +160,11 @@ def demo_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, chat_templa
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     return demo_tokenizer(image_token=IMAGE)
+
+
+def build_onevision_tokenizer() -> PreTrainedTokenizerFast:
+    """The demo BPE with `<image>` and `<video>` (LLaVA-OneVision's two placeholders)."""
+    return demo_tokenizer(SPECIAL_TOKENS + (VIDEO,), ONEVISION_CHAT_TEMPLATE, image_token=IMAGE, video_token=VIDEO)
 
 
 def build_qwen_tokenizer() -> PreTrainedTokenizerFast:
