@@ -28,7 +28,6 @@ from mmserve.config.video import VideoConfig
 from mmserve.errors import BadRequest, UnsupportedParameter
 from mmserve.inputs.images import data_url_bytes, open_image, processor_rgb
 from mmserve.inputs.video import InvalidVideo, check_size, decode_video, frames_video
-from mmserve.inputs.video_parts import VideoPart
 from mmserve.models.video_item import VideoItem, VideoSampling
 
 _DATA_URL = re.compile(r"^data:(?:[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.I)
