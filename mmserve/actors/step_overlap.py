@@ -106,7 +106,8 @@ class StepOverlap:
     def _overlap_state(self) -> None:
         self._flying: Counter[int] = Counter()  # id(sequence) -> steps in flight that carry it
         self._held: list[tuple[int, object]] = []  # (id(sequence), Release) waiting for those steps
-        self._carried: dict[int, int] = {}  # compute thread: id(sequence) -> the token its last step sampled
+        # compute thread: the last step's sampled ids, on the device, and id(sequence) -> its row there
+        self._carried: tuple | None = None
         self._host_time: float | None = None  # the event loop's time before the next step's wait
 
     async def _chain(self, plan: list[Planned]) -> None:
@@ -151,13 +152,14 @@ class StepOverlap:
             if after is not None:
                 await after.queued.wait()
             try:
-                flight.results = await compute.run(self._step, views, taken, self._incarnation, built,
-                                                   abandon_on_cancel=True, owner=self.key, if_abandoned=abandoned,
-                                                   submitted=flight.queued.set)
+                out = await compute.run(self._step, views, taken, self._incarnation, built,
+                                        abandon_on_cancel=True, owner=self.key, if_abandoned=abandoned,
+                                        submitted=flight.queued.set)
             finally:
                 if copies:
                     self._release_copies()
             flight.returned = time.monotonic()
+            flight.results = await self._results(out)  # its tokens' host copy, awaited here
             flight.done.set()
 
         nursery.start_soon(run)
@@ -187,9 +189,9 @@ class StepOverlap:
             self._draw(s, n)
             plan.append(Planned(s, 1, n, True))
         views = [Planned(SeqView.ahead(p.seq), 1, p.new_blocks, True) for p in plan]
-        # its inputs built here, while the step before it runs (the compute thread only fills in
-        # the tokens that step samples)
-        ahead = self._launch(nursery, plan, views, after=flight, built=self._inputs(views))
+        # the whole step built here, while the step before it runs — inputs, attention metadata,
+        # sampling plan (the compute thread gathers the tokens that step samples on the device)
+        ahead = self._launch(nursery, plan, views, after=flight, built=self._build(views))
         # what the step after this one will draw: these sequences are two tokens further than their state
         ahead.report = [Planned(s, 2, 0, True) for s in going]
         return ahead
