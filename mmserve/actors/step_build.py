@@ -47,6 +47,7 @@ class StepBuild:
     scored: PromptRows | None = None
     step: StepInputs | None = None
     prepared: object = None  # `ModelRunner.prepare(step)`
+    entered: object = None  # called on the compute thread as it reaches the step's forward (overlap)
 
 
 @dataclass(eq=False)
