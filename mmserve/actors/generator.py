@@ -319,7 +319,9 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         carried, self._carried = self._carried, None  # the samples of the previous step, on the device (overlap)
         if built is None or any(p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch
                                 for p in plan):  # (the epoch fence is checked here, on the thread that writes)
+            entered = built.entered if built is not None else None
             built = self._build(plan)
+            built.entered = entered
         results = list(built.results)
         if not built.rows:
             return StepOutput(results)

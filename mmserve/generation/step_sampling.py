@@ -87,16 +87,18 @@ def plan_sampling(specs: Sequence[RowSpec]) -> SamplingPlan:
     specs = tuple(specs)
     params = [s.params for s in specs]
     rows = [s.row for s in specs]
-    bans_r, bans_c = [], []  # one cat, one repeat: most specs share one of a few ban tensors
+    # the banned (row, token) pairs as two host tensors, made from python lists: most specs share
+    # one of a few ban tensors (read once each), and a tensor op per spec costs more than the lists
+    ban_rows, ban_ids, flat = [], [], {}
     for b, s in enumerate(specs):
-        if s.banned is not None and s.banned.numel():
-            bans_r.append((b, s.banned.numel()))
-            bans_c.append(s.banned.reshape(-1).cpu())
-    ban = None
-    if bans_c:
-        r, n = zip(*bans_r)
-        ban = (torch.repeat_interleave(torch.tensor(r, dtype=torch.long), torch.tensor(n, dtype=torch.long)),
-               torch.cat(bans_c).long())
+        if s.banned is None:
+            continue
+        ids = flat.get(id(s.banned))
+        if ids is None:
+            ids = flat[id(s.banned)] = s.banned.reshape(-1).tolist()
+        ban_rows += [b] * len(ids)
+        ban_ids += ids
+    ban = (torch.tensor(ban_rows, dtype=torch.long), torch.tensor(ban_ids, dtype=torch.long)) if ban_ids else None
     constrained = [i for i, s in enumerate(specs) if s.grammar_row is not None]
     want = [i for i, p in enumerate(params) if p.logprobs]
     return SamplingPlan(
