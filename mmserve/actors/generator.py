@@ -52,7 +52,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
                  kv_config: KVCacheConfig = KVCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
-                 metrics=None, overlap: bool = False):
+                 metrics=None, overlap: bool = True):
         super().__init__(model=adapter.name)
         self.overlap = overlap  # step n+1 prepared while step n runs (`actors.step_overlap`)
         self._overlap_state()

@@ -109,7 +109,7 @@ class Flight:
 class StepOverlap:
     """Generator methods: the chain of overlapped steps, and the releases held while they fly."""
 
-    overlap: bool = False
+    overlap: bool = True
 
     def _overlap_state(self) -> None:
         self._flying: Counter[int] = Counter()  # id(sequence) -> steps in flight that carry it

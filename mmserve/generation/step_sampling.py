@@ -95,7 +95,7 @@ def plan_sampling(specs: Sequence[RowSpec]) -> SamplingPlan:
             continue
         ids = flat.get(id(s.banned))
         if ids is None:
-            ids = flat[id(s.banned)] = s.banned.reshape(-1).tolist()
+            ids = flat[id(s.banned)] = (s.banned if s.banned.dim() == 1 else s.banned.reshape(-1)).tolist()
         ban_rows += [b] * len(ids)
         ban_ids += ids
     ban = (torch.tensor(ban_rows, dtype=torch.long), torch.tensor(ban_ids, dtype=torch.long)) if ban_ids else None
