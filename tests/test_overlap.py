@@ -12,13 +12,15 @@ import time
 import pytest
 import torch
 import trio
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve import Runtime
 from mmserve.bench.stand_in import StandInForward
 from mmserve.errors import MMServeError
 from mmserve.generation.decode_graphs import DecodeBuffers
-from mmserve.generation.sampling import SamplingParams
-from mmserve.generation.step_sampling import DeviceSample, RowSpec, plan_sampling, sample_on_device, sample_rows
+from mmserve.generation.sampling import SamplingParams, make_generator
+from mmserve.generation.step_sampling import (DeviceSample, RowSpec, Sampled, plan_sampling, sample_on_device,
+                                              sample_rows)
 from mmserve.models.paged import PagedBatch
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from tests.helpers import ask, assert_nothing_held
@@ -250,3 +252,44 @@ def test_decode_staging_is_double_buffered():
     assert buf.ids[:2].tolist() == [7, 8] and buf.seq_lens[:2].tolist() == [10, 5]
     buf.fill([1, 2], [[3], [3]], [1, 2], None, 2)
     assert first.ids[:2].tolist() == [1, 2] and buf._sets[1].ids[:2].tolist() == [7, 8]
+
+
+class _SyncGuard(TorchDispatchMode):
+    """Records every op that waits for the device's values on the host (or whose output shape
+    follows them). Uploads of host data (a step's parameters) are allowed: they are no sync."""
+
+    SYNCS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique",
+             "_unique2", "unique_dim", "unique_consecutive", "argwhere", "masked_scatter"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.SYNCS:
+            self.syncs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_on_the_device_never_waits_for_the_host():
+    """Every sampling feature — bans, penalties, a grammar mask, temperature, top-p/k, min-p, seeds,
+    logprobs and top logprobs — runs on the logits' device without a host sync; the one transfer
+    is started (`DeviceSample`), not awaited."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 64)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=5, logprobs=True, top_logprobs=3)
+    penalized = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    specs = [RowSpec(0, SamplingParams(temperature=0), None, banned=torch.tensor([3, 7])),
+             RowSpec(1, seeded, make_generator(seeded)),
+             RowSpec(2, penalized, None, prompt=(1, 2, 3), answer=(4, 4, 5)),
+             RowSpec(3, SamplingParams(temperature=0.7, top_p=0.5), None, grammar_row=0)]
+    allowed = torch.zeros(1, 64, dtype=torch.bool)
+    allowed[0, 10:20] = True
+    plan = plan_sampling(specs)  # the host side: before the step
+    with _SyncGuard() as guard:
+        sample = sample_on_device(logits, plan, allowed)
+    assert not guard.syncs, guard.syncs
+    sampled = sample.unpack()[0]
+    assert all(isinstance(s, Sampled) for s in sampled), sampled
+    assert sampled[0].token_id not in (3, 7) and 10 <= sampled[3].token_id < 20
+    assert sampled[1].logprob is not None and len(sampled[1].top) == 3
