@@ -15,6 +15,7 @@ import trio
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve import Runtime
+from mmserve.actors import generator as generator_module
 from mmserve.bench.stand_in import StandInForward
 from mmserve.errors import MMServeError
 from mmserve.generation.decode_graphs import DecodeBuffers
@@ -184,30 +185,35 @@ async def test_step_launched_ahead_is_built_off_the_compute_thread_and_gathers_i
     async with Runtime.open(config) as rt:
         gen = rt.registry.require("demo").generator
         build, forward, unpack = gen._build, gen.runner.forward, DeviceSample.unpack
+        on_device = generator_module.sample_on_device
 
         def recorded_build(plan):
             b = build(plan)
             builds.append((threading.current_thread().name, bool(b.carry_at), b.prepared, b.sampling))
             return b
 
-        def recorded_forward(step, prepared=None):
+        def recorded_forward(step, *rest):
             forwards.append((step.carry, step.ids))
-            return forward(step, prepared)
+            return forward(step, *rest)
+
+        def recorded_sample(*args):  # on the compute thread, in step order
+            sample = on_device(*args)
+            forwards.append(("sampled", sample.ids))
+            return sample
 
         def recorded_unpack(sample):
             unpacked_on.add(threading.current_thread().name)
-            forwards.append(("sampled", sample.ids))
             return unpack(sample)
 
         gen._build, gen.runner.forward = recorded_build, recorded_forward
-        DeviceSample.unpack = recorded_unpack
+        DeviceSample.unpack, generator_module.sample_on_device = recorded_unpack, recorded_sample
         try:
             async with trio.open_nursery() as nursery:
                 for i in range(3):
                     nursery.start_soon(lambda i=i: rt.chat_completion(question(i), temperature=0, max_tokens=10,
                                                                       min_tokens=10))
         finally:
-            DeviceSample.unpack = unpack
+            DeviceSample.unpack, generator_module.sample_on_device = unpack, on_device
     ahead = [b for b in builds if b[1]]
     assert len(ahead) >= 5, builds
     for thread, _, prepared, sampling in ahead:

@@ -333,9 +333,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         step = built.step
         if built.carry_at:  # step n's tokens, gathered into this step's ids on the device
             step = dataclasses.replace(step, carry=self._gather_carried(built.carry_at, carried))
-        if built.entered is not None:
-            built.entered()
-        logits = self.runner.forward(step, built.prepared)
+        logits = self.runner.forward(step, built.prepared, built.entered)
         allowed = masks.allowed(logits.device) if masks is not None else None
         scored = built.scored
         sample = sample_on_device(logits, built.sampling.plan, allowed,

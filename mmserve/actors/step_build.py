@@ -47,7 +47,7 @@ class StepBuild:
     scored: PromptRows | None = None
     step: StepInputs | None = None
     prepared: object = None  # `ModelRunner.prepare(step)`
-    entered: object = None  # called on the compute thread as it reaches the step's forward (overlap)
+    entered: object = None  # called on the compute thread as the step's model work starts (overlap)
 
 
 @dataclass(eq=False)

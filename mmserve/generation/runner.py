@@ -30,7 +30,7 @@ the paged attention as its implementation (`models.paged_forward`), never a copy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from collections import Counter
 
@@ -122,6 +122,7 @@ class ModelRunner:
         self.mixed_steps = 0  # other steps that ran from the static buffers
         self.eager_steps = 0
         self.eager_reasons: Counter[str] = Counter()  # why the eager steps were eager
+        self._launching: Callable[[], None] | None = None  # `forward`'s, until the model's work starts
 
     @property
     def captures(self) -> bool:
@@ -194,9 +195,13 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs, prepared: PagedBatch | None = None) -> torch.Tensor:
+    def forward(self, step: StepInputs, prepared: PagedBatch | None = None,
+                launching: Callable[[], None] | None = None) -> torch.Tensor:
         """Float logits [len(segments) + len(extra_rows), vocab] on the device: each segment's last
-        new token, then the `extra_rows`. `prepared`: `prepare(step)`'s result, if made."""
+        new token, then the `extra_rows`. `prepared`: `prepare(step)`'s result, if made;
+        `launching`: called once the inputs are in place, as the model's own work starts (the
+        overlap scheduler lets the event loop go on from there)."""
+        self._launching = launching
         if self.buffers is None:
             return self._eager(step, "backend_not_capturable", prepared=prepared)
         if step.decode_only and self._fits(step.segments):
@@ -212,6 +217,11 @@ class ModelRunner:
             return self._eager(step, "family_inputs", (embeds, lm_kwargs))
         self.mixed_steps += 1
         return self._mixed(step, embeds, lm_kwargs)
+
+    def _launch(self) -> None:
+        launching, self._launching = self._launching, None
+        if launching is not None:
+            launching()
 
     def _fits(self, segments: Sequence[Segment]) -> bool:
         width = self.buffers.max_blocks * self.block_size
@@ -252,8 +262,9 @@ class ModelRunner:
         if embeds.shape[:2] != (1, len(step.ids)):
             raise ValueError(f"inputs_embeds {tuple(embeds.shape)} do not hold the step's {len(step.ids)} tokens")
         rows = last if step.extra_rows is None else torch.cat([last, step.extra_rows.to(self.device)])
-        return forward_step(adapter, embeds.to(self.device, adapter.dtype),
-                            step_positions(positions, step.positions, self.device), attention, rows, lm_kwargs)
+        embeds, positions = embeds.to(self.device, adapter.dtype), step_positions(positions, step.positions, self.device)
+        self._launch()
+        return forward_step(adapter, embeds, positions, attention, rows, lm_kwargs)
 
     def _decode(self, step: StepInputs) -> torch.Tensor:
         n = len(step.segments)
@@ -264,6 +275,7 @@ class ModelRunner:
         if step.carry is not None:  # the previous step's tokens, gathered on the device into the ids buffer
             at, tokens = step.carry
             self.buffers.ids.index_copy_(0, at.to(self.device, non_blocking=True), tokens.to(self.device))
+        self._launch()
         return self.graphs.run(bucket)[:n]
 
     def _mixed(self, step: StepInputs, embeds: torch.Tensor, lm_kwargs: dict) -> torch.Tensor:
@@ -276,6 +288,7 @@ class ModelRunner:
         self.mixed.fill(step.segments, embeds[0], positions, spans, bucket)
         if lm_kwargs.get("deepstack_visual_embeds"):
             self.mixed.fill_deepstack(step.pieces, lm_kwargs["deepstack_visual_embeds"])
+        self._launch()
         return self.mixed_graphs.run(bucket)[:len(step.segments)]
 
     def _mixed_body(self, bucket: int) -> torch.Tensor:
