@@ -1,18 +1,28 @@
 """Overlap scheduling (`[runtime] overlap`, `actors.step_overlap`): step n+1 is planned, its blocks
-drawn and its inputs frozen while step n runs on the compute thread, and the answers are the same
-as with serial steps — greedy, seeded, stop strings, n > 1, grammar, logprobs — also under
-preemption and cancellation."""
+drawn and its inputs, attention metadata and sampling plan built while step n runs on the compute
+thread; its new tokens are gathered from step n's samples on the device, whose host copy is
+unpacked on the event loop; and the answers are the same as with serial steps — greedy, seeded,
+stop strings, n > 1, grammar, logprobs — also under preemption and cancellation."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
+import torch
 import trio
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve import Runtime
+from mmserve.actors import generator as generator_module
 from mmserve.bench.stand_in import StandInForward
 from mmserve.errors import MMServeError
+from mmserve.generation.decode_graphs import DecodeBuffers
+from mmserve.generation.sampling import SamplingParams, make_generator
+from mmserve.generation.step_sampling import (DeviceSample, RowSpec, Sampled, plan_sampling, sample_on_device,
+                                              sample_rows)
+from mmserve.models.paged import PagedBatch
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from tests.helpers import ask, assert_nothing_held
 
@@ -161,3 +171,131 @@ async def test_step_n_plus_one_is_prepared_while_step_n_runs(demo_config):
     # serially, every plan is made between two forwards, never during one
     calls, plans = await steps_and_host_work(config, overlap=False)
     assert plans and not any(c.start < t0 < c.end or c.start < t1 < c.end for t0, t1, _ in plans for c in calls)
+
+
+async def test_step_launched_ahead_is_built_off_the_compute_thread_and_gathers_its_tokens_on_the_device(demo_config):
+    """A step launched ahead is built whole on the event loop (its inputs, its attention metadata,
+    its sampling plan); its new tokens reach the forward as placeholders plus a device-side gather
+    from the very tensor step n sampled into; the samples are unpacked on the event loop, never on
+    the compute thread."""
+    config = demo_config.replace(kv_cache={"prefix_caching": False}, runtime={"overlap": True})
+    builds: list[tuple[str, bool, object, object]] = []  # (thread, carries, prepared, sampling)
+    forwards: list[tuple[object, object]] = []  # (step's carry, the DeviceSample it made)
+    unpacked_on: set[str] = set()
+    async with Runtime.open(config) as rt:
+        gen = rt.registry.require("demo").generator
+        build, forward, unpack = gen._build, gen.runner.forward, DeviceSample.unpack
+        on_device = generator_module.sample_on_device
+
+        def recorded_build(plan):
+            b = build(plan)
+            builds.append((threading.current_thread().name, bool(b.carry_at), b.prepared, b.sampling))
+            return b
+
+        def recorded_forward(step, *rest):
+            forwards.append((step.carry, step.ids))
+            return forward(step, *rest)
+
+        def recorded_sample(*args):  # on the compute thread, in step order
+            sample = on_device(*args)
+            forwards.append(("sampled", sample.ids))
+            return sample
+
+        def recorded_unpack(sample):
+            unpacked_on.add(threading.current_thread().name)
+            return unpack(sample)
+
+        gen._build, gen.runner.forward = recorded_build, recorded_forward
+        DeviceSample.unpack, generator_module.sample_on_device = recorded_unpack, recorded_sample
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(lambda i=i: rt.chat_completion(question(i), temperature=0, max_tokens=10,
+                                                                      min_tokens=10))
+        finally:
+            DeviceSample.unpack, generator_module.sample_on_device = unpack, on_device
+    ahead = [b for b in builds if b[1]]
+    assert len(ahead) >= 5, builds
+    for thread, _, prepared, sampling in ahead:
+        assert not thread.startswith("mmserve-compute")  # built on the event loop
+        assert isinstance(prepared, PagedBatch) and sampling is not None and sampling.plan.specs
+    assert unpacked_on and not any(t.startswith("mmserve-compute") for t in unpacked_on)
+    # each carried token is what the step before sampled, taken from its device tensor
+    carried = 0
+    for k, (carry, ids) in enumerate(forwards):
+        if carry is None or carry == "sampled":
+            continue
+        at, tokens = carry
+        assert all(ids[i] == 0 for i in at.tolist())  # placeholders: the host never had the token
+        before = next(s for c, s in reversed(forwards[:k]) if c == "sampled")
+        assert set(tokens.tolist()) <= set(before.tolist())
+        carried += 1
+    assert carried >= 5
+
+
+def test_samples_reach_the_host_through_the_same_path_on_the_cpu():
+    """`sample_on_device` leaves the ids on the device and starts their host copy; on the CPU there
+    is nothing to wait for (no event), and the results are `sample_rows`' own."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    greedy = SamplingParams(temperature=0)
+    specs = [RowSpec(0, greedy, None), RowSpec(2, SamplingParams(temperature=0, logprobs=True, top_logprobs=2), None),
+             RowSpec(1, greedy, None, banned=torch.tensor([int(logits[1].argmax())]))]
+    sample = sample_on_device(logits, plan_sampling(specs))
+    assert sample.ready is None and sample.done()
+    assert sample.ids.tolist() == [int(logits[0].argmax()), int(logits[2].argmax()), int(logits[1].topk(2).indices[1])]
+    assert sample.unpack()[0] == sample_rows(logits, specs)
+
+
+def test_decode_staging_is_double_buffered():
+    """Step n+1's fill writes the other staging set than step n's, so the host never rewrites what
+    a copy still in flight reads; the device buffers hold the last fill."""
+    buf = DecodeBuffers(4, 3, 1, 8, 99, torch.device("cpu"))
+    buf.fill([5, 6], [[1], [2]], [0, 3], None, 2)
+    first = buf._sets[0]
+    buf.fill([7, 8], [[1, 4], [2]], [9, 4], None, 2)
+    assert first.ids[:2].tolist() == [5, 6] and buf._sets[1].ids[:2].tolist() == [7, 8]
+    assert buf.ids[:2].tolist() == [7, 8] and buf.seq_lens[:2].tolist() == [10, 5]
+    buf.fill([1, 2], [[3], [3]], [1, 2], None, 2)
+    assert first.ids[:2].tolist() == [1, 2] and buf._sets[1].ids[:2].tolist() == [7, 8]
+
+
+class _SyncGuard(TorchDispatchMode):
+    """Records every op that waits for the device's values on the host (or whose output shape
+    follows them). Uploads of host data (a step's parameters) are allowed: they are no sync."""
+
+    SYNCS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique",
+             "_unique2", "unique_dim", "unique_consecutive", "argwhere", "masked_scatter"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.SYNCS:
+            self.syncs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_on_the_device_never_waits_for_the_host():
+    """Every sampling feature — bans, penalties, a grammar mask, temperature, top-p/k, min-p, seeds,
+    logprobs and top logprobs — runs on the logits' device without a host sync; the one transfer
+    is started (`DeviceSample`), not awaited."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 64)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=5, logprobs=True, top_logprobs=3)
+    penalized = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+    specs = [RowSpec(0, SamplingParams(temperature=0), None, banned=torch.tensor([3, 7])),
+             RowSpec(1, seeded, make_generator(seeded)),
+             RowSpec(2, penalized, None, prompt=(1, 2, 3), answer=(4, 4, 5)),
+             RowSpec(3, SamplingParams(temperature=0.7, top_p=0.5), None, grammar_row=0)]
+    allowed = torch.zeros(1, 64, dtype=torch.bool)
+    allowed[0, 10:20] = True
+    plan = plan_sampling(specs)  # the host side: before the step
+    with _SyncGuard() as guard:
+        sample = sample_on_device(logits, plan, allowed)
+    assert not guard.syncs, guard.syncs
+    sampled = sample.unpack()[0]
+    assert all(isinstance(s, Sampled) for s in sampled), sampled
+    assert sampled[0].token_id not in (3, 7) and 10 <= sampled[3].token_id < 20
+    assert sampled[1].logprob is not None and len(sampled[1].top) == 3

@@ -7,13 +7,14 @@ prefill chunks of waiting ones, packed to `max_batched_tokens` (`generation.sche
 blocks those tokens need are drawn from a reservation the cache manager refills — one report and
 at most one refill per step, never awaited (`actors.block_grants`); when a decode token finds no
 block left anywhere, the newest sequence is preempted (its blocks released, recomputed later).
-The whole batch is sampled on the device with one host transfer — penalties, grammar masks
-(computed beside the forward) and logprobs included. Full blocks are committed as they fill
+The whole batch is sampled on the device with one host transfer, started asynchronously —
+penalties, grammar masks (computed beside the forward) and logprobs included. Full blocks are committed as they fill
 (bookkeeping, zero bytes copied). A request's n choices share its one prefill (`actors.choices`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -30,21 +31,21 @@ from mmserve.actors.block_grants import BlockGrants
 from mmserve.actors.messages import (
     FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
 from mmserve.actors.step_fences import StepFences, written_blocks
-from mmserve.actors.step_build import StepBuild, StepBuilding
-from mmserve.actors.step_overlap import StepOverlap, origin
+from mmserve.actors.step_build import StepBuild, StepBuilding, StepOutput
+from mmserve.actors.step_overlap import StepOverlap
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
-from mmserve.actors.prompt_scores import PromptRows, prompt_logprobs, scores_prompt
-from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids, row_specs
+from mmserve.actors.prompt_scores import prompt_logprobs, scores_prompt
+from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.generation.write_fence import STEP_IDS
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
-from mmserve.generation.step_sampling import Sampled, sample_rows_and
+from mmserve.generation.step_sampling import sample_on_device
 from mmserve.generation.scheduler import Planned, never_fits, plan_step
 from mmserve.models.adapter import Adapter
-from mmserve.generation.runner import ModelRunner, StepInputs
+from mmserve.generation.runner import ModelRunner
 
 
 class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, Forking, Actor):
@@ -52,7 +53,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
                  kv_config: KVCacheConfig = KVCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
-                 metrics=None, overlap: bool = False):
+                 metrics=None, overlap: bool = True):
         super().__init__(model=adapter.name)
         self.overlap = overlap  # step n+1 prepared while step n runs (`actors.step_overlap`)
         self._overlap_state()
@@ -69,6 +70,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         self.max_positions = runner.max_positions
         self._image_token = torch.tensor([adapter.image_token_id])
         self._eos = torch.tensor(sorted(adapter.eos_token_ids), dtype=torch.long)
+        self._image_and_eos = torch.cat([self._image_token, self._eos])
         self._orders = itertools.count()
         self.steps = 0
         # where a busy generator's time goes: awaiting the compute thread's steps, and its own work
@@ -256,10 +258,11 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         host = None if self._step_end is None else t0 - self._step_end
         self._step_end = None
         try:
-            results = await compute.run(self._step, plan, self._copies, self._incarnation, abandon_on_cancel=True,
-                                        owner=self.key, if_abandoned=self._quarantine(plan))
+            out = await compute.run(self._step, plan, self._copies, self._incarnation, abandon_on_cancel=True,
+                                    owner=self.key, if_abandoned=self._quarantine(plan))
         finally:
             self._release_copies()
+        results = await self._results(out)
         self._step_end = time.monotonic()
         self._count_step(self._step_end - t0, host)
         await self._apply_results(plan, results, round(self._step_end - t0, 6))
@@ -304,87 +307,84 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
     # -- the forward (compute thread) ----------------------------------------------------------
 
     def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int,
-              built: StepBuild | None = None) -> list:
+              built: StepBuild | None = None) -> StepOutput:
         """Forked choices' block copies, then one forward over every planned sequence's new tokens
-        (`built`: its inputs, built beforehand), then one batched sample of those that need a token
-        (their grammar masks computed beside the forward). A failure of one sequence's own work is
-        reported for it alone. All of it inside the runner's write fence: tables granted in an
-        earlier life of the cache manager than the fence's at entry write nothing, and if a new
-        life begins meanwhile, it holds every block this step may write until it returns."""
+        (`built`: the step, built beforehand — on the event loop for a step launched ahead), then
+        one batched sample on the device of those that need a token (their grammar masks computed
+        beside the forward), its host copy started. A failure of one sequence's own work is
+        reported for it alone; the samples become results on the event loop (`_results`). All of
+        it inside the runner's write fence: tables granted in an earlier life of the cache manager
+        than the fence's at entry write nothing, and if a new life begins meanwhile, it holds every
+        block this step may write until it returns (on a GPU the device work it enqueued runs
+        before any later write, in stream order)."""
         with self.runner.fence.writing(lambda: written_blocks(plan, copies)) as epoch:
             return self._fenced_step(plan, copies, incarnation, built, epoch)
 
     def _fenced_step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int,
-                     built: StepBuild | None, epoch: int | None) -> list:
+                     built: StepBuild | None, epoch: int | None) -> StepOutput:
         def void(seq) -> bool:  # its table was granted in an earlier life of the manager
             return seq.epoch is not None and epoch is not None and seq.epoch != epoch
         if incarnation == self._incarnation:  # not abandoned: no block was released under it
             for c in copies:  # before any forward writes: the copy source may be written from now on
                 if c.child.state in LIVE and c.target in c.child.table and not void(c.child):
                     self.runner.copy_block(c.source, c.target)
-        carried, self._carried = self._carried, {}  # the tokens the previous step sampled (overlap)
+        carried, self._carried = self._carried, None  # the samples of the previous step, on the device (overlap)
         if built is None or any(void(p.seq) for p in plan):
-            built = self._inputs(plan)
-        results, rows, ids, images, segments, positions, scoring, spans = (
-            list(built.results), built.rows, list(built.ids), built.images, built.segments, built.positions,
-            built.scoring, built.spans)
-        for at, key in built.carry_at:
-            ids[at] = carried.get(key, 0)
-        if not rows:
-            return results
+            entered = built.entered if built is not None else None
+            built = self._build(plan)
+            built.entered = entered
+        results = list(built.results)
+        if not built.rows:
+            return StepOutput(results)
         fault("generator.step")
         if incarnation != self._incarnation:  # abandoned (a hang, then a restart): its blocks are gone
-            return results
+            return StepOutput(results)
         fault("generator.forward")  # past that check: a step slowed here writes after its abandonment
-        wanted = [(r, i) for r, i in enumerate(rows) if plan[i].seq.kv_len + plan[i].tokens == plan[i].seq.target_len]
-        constrained = [plan[i].seq for _, i in wanted if plan[i].seq.matcher is not None]
-        masks = MaskJob(self.grammars, [s.matcher for s in constrained]) if constrained else None
-        # every new token's embedding in one lookup (one host->device copy of the ids)
-        scored = PromptRows.of(scoring) if scoring else None
-        logits = self.runner.forward(StepInputs(tuple(ids), tuple(segments), tuple(images),
-                                                torch.cat(positions, dim=1) if self.adapter.mrope else None,
-                                                scored.rows if scored else None,
-                                                tuple(spans) if any(spans) else None))
+        masks = MaskJob(self.grammars, [s.matcher for s in built.constrained]) if built.constrained else None
+        step = built.step
+        if built.carry_at:  # step n's tokens, gathered into this step's ids on the device
+            step = dataclasses.replace(step, carry=self._gather_carried(built.carry_at, carried))
+        logits = self.runner.forward(step, built.prepared, built.entered)
         allowed = masks.allowed(logits.device) if masks is not None else None
-        grammar_rows = {id(s): g for g, s in enumerate(constrained)}
-        tokens, host = self._sample(logits, [(r, plan[i].seq) for r, i in wanted], allowed, grammar_rows,
-                                    scored.packed(logits[len(segments):]) if scored else None)
-        for (r, i), token in zip(wanted, tokens):
+        scored = built.scored
+        sample = sample_on_device(logits, built.sampling.plan, allowed,
+                                  scored.packed(logits[len(built.segments):]) if scored else None)
+        if self.overlap:
+            self._carried = (sample.ids, built.sampling.carry_rows)
+        return StepOutput(results, built, sample)
+
+    def _gather_carried(self, carry_at: list[tuple[int, int]], carried) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices in the step's ids, the tokens the previous step sampled for those sequences, on
+        the device): a gather there, no host round trip. A sequence whose sampling failed (its
+        result discards this step's) gets token 0."""
+        at = torch.tensor([i for i, _ in carry_at], dtype=torch.long)
+        if carried is None:
+            return at, torch.zeros(len(carry_at), dtype=torch.long)
+        ids, rows = carried
+        src = [rows.get(key, ids.shape[0]) for _, key in carry_at]  # the appended zero for a missing one
+        pool = torch.cat([ids, ids.new_zeros(1)])
+        return at, pool.index_select(0, torch.tensor(src, dtype=torch.long).to(ids.device, non_blocking=True)).clamp_min(0)
+
+    async def _results(self, out: StepOutput) -> list:
+        """A step's results on the event loop: its samples' host copy awaited (on CUDA; on the CPU
+        they are there) without blocking the loop, then made into each row's token(s)."""
+        if out.sample is None:
+            return out.results
+        while not out.sample.done():
+            await trio.sleep(0.0002)
+        built, results = out.built, out.results
+        sampled, host = out.sample.unpack()
+        for (_, i), token in zip(built.wanted, self._tokens(built.sampling, sampled, len(built.wanted))):
             results[i] = token
-            if self.overlap and isinstance(token, Sampled):
-                self._carried[id(origin(plan[i].seq))] = token.token_id
-        if scored:
-            scored.store(host, self.adapter.vocab_size)
-        for i in rows:
+        if built.scored:
+            built.scored.store(host, self.adapter.vocab_size)
+        for i in built.rows:
             if results[i] is None:
                 results[i] = -1  # computed, no token due (a prefill chunk before the prompt's end)
         return results
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, Sequence]], allowed: torch.Tensor | None,
-                grammar_rows: dict[int, int], extra: torch.Tensor | None = None) -> tuple[list, list[float]]:
-        """The next token of each (row, sequence) — a list of every choice's first token for a
-        request whose prefill ended — from one batched sample, one host transfer (which also
-        fetches `extra`'s values: the second item); a sequence whose own sampling fails fails alone."""
-        out: list = [None] * len(rows)
-        ok = []
-        for k, (_, seq) in enumerate(rows):
-            try:
-                fault("generator.sample", seq.label)
-                ok.append(k)
-            except Exception as e:
-                out[k] = e
-        specs, owners = row_specs([rows[k] for k in ok], self._banned, grammar_rows)
-        sampled_rows, host = sample_rows_and(logits, specs, allowed, extra)
-        got: dict[int, list] = {}
-        for (j, _), sampled in zip(owners, sampled_rows):
-            got.setdefault(j, []).append(sampled)
-        for j, k in enumerate(ok):
-            failed = [x for x in got[j] if isinstance(x, Exception)]
-            out[k] = failed[0] if failed else got[j][0] if len(got[j]) == 1 else got[j]
-        return out, host
-
     def _banned(self, seq: Sequence) -> torch.Tensor:
-        return banned_ids(seq, self._image_token, self._eos, self.adapter.vocab_size)
+        return banned_ids(seq, self._image_token, self._eos, self.adapter.vocab_size, self._image_and_eos)
 
     def _echo(self, seq: Sequence) -> None:
         """With `echo`, every choice's text starts with the prompt's (its text as sent, or its ids

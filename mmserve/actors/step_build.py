@@ -1,8 +1,10 @@
-"""Building a step's inputs from its plan (a part of `Generator`): every planned sequence's new
-tokens, its segment of the arena, positions and image rows (images whose KV a preemption gave back
-encoded again). On the compute thread; with overlap (`step_overlap`), a step launched ahead has
-them built on the event loop while the step before it runs, its carried tokens filled in on the
-compute thread."""
+"""Building a step from its plan (a part of `Generator`): every planned sequence's new tokens, its
+segment of the arena, positions and image rows (images whose KV a preemption gave back encoded
+again), the attention's host-side metadata (`ModelRunner.prepare`) and the host side of its
+sampling (`plan_sampling`: which rows sample, with which parameters, bans and logprobs). On the
+compute thread for a serial step; with overlap (`step_overlap`), a step launched ahead has all of
+it built on the event loop while the step before it runs — the compute thread then only gathers
+the carried tokens on the device, looks up their embeddings, runs the forward and samples."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.actors.faults import fault
-from mmserve.actors.prompt_scores import scores_prompt
+from mmserve.actors.prompt_scores import PromptRows, scores_prompt
 from mmserve.actors.sequence import Sequence
 from mmserve.actors.step_overlap import CARRIED, origin
+from mmserve.actors.token_rows import row_specs
 from mmserve.errors import ServiceUnavailable
+from mmserve.generation.runner import StepInputs
 from mmserve.generation.scheduler import Planned
+from mmserve.generation.step_sampling import SamplingPlan, plan_sampling
 from mmserve.models.paged import Segment
 
 
@@ -35,6 +40,38 @@ class StepBuild:
     scoring: list = field(default_factory=list)
     spans: list = field(default_factory=list)
     carry_at: list = field(default_factory=list)
+    # made by `_build` once the rows are known
+    wanted: list = field(default_factory=list)  # (logits row, index in the plan) of each row due a token
+    constrained: list = field(default_factory=list)  # the sequences among them under a grammar
+    sampling: "StepSampling | None" = None
+    scored: PromptRows | None = None
+    step: StepInputs | None = None
+    prepared: object = None  # `ModelRunner.prepare(step)`
+    entered: object = None  # called on the compute thread as the step's model work starts (overlap)
+
+
+@dataclass(eq=False)
+class StepSampling:
+    """The host side of a step's sampling: its `SamplingPlan`, per spec its (position in `wanted`,
+    choice), the rows whose own sampling failed beforehand (position -> error), and the spec of
+    each sequence that samples exactly one token (id(sequence) -> spec index: where the next step,
+    launched ahead, gathers its carried token from)."""
+
+    plan: SamplingPlan
+    owners: list
+    failed: dict
+    carry_rows: dict
+
+
+@dataclass(eq=False)
+class StepOutput:
+    """What the compute thread hands back: the results known there (errors, -1 for rows computed
+    with no token due) and the step's samples still on their way to the host (`DeviceSample`),
+    made into results on the event loop (`Generator._results`)."""
+
+    results: list
+    built: StepBuild | None = None
+    sample: object = None  # DeviceSample
 
 
 class StepBuilding:
@@ -57,8 +94,10 @@ class StepBuilding:
                     fault("generator.prefill", p.seq.label)
                 start, end = p.seq.kv_len, p.seq.kv_len + p.tokens
                 rope = self.adapter.rope_positions(p.seq.job.prompt, len(p.seq.ids), start, end)
-                self._encode_lost_images(p.seq, start, end)
-                pieces = self._image_rows(p.seq, start, end)
+                pieces = []
+                if start < p.seq.prompt_len:  # image placeholders are in the prompt only
+                    self._encode_lost_images(p.seq, start, end)
+                    pieces = self._image_rows(p.seq, start, end)
             except Exception as e:
                 b.results[i] = e
                 continue
@@ -68,12 +107,66 @@ class StepBuilding:
             new = p.seq.ids[start:end]
             if new and new[-1] == CARRIED:  # a step launched ahead: its token is the last step's sample
                 b.carry_at.append((len(b.ids) + len(new) - 1, id(origin(p.seq))))
+                new = (*new[:-1], 0)  # a placeholder: the token is gathered on the device (`StepInputs.carry`)
             b.ids += new
             b.segments.append(Segment(tuple(p.seq.table), start, p.tokens))
             b.spans.append(p.seq.bidirectional)
             b.positions.append(rope)
             b.rows.append(i)
         return b
+
+    def _build(self, plan: list[Planned]) -> StepBuild:
+        """`_inputs`, and what the step's forward and sampling need that the host can know before:
+        the rows due a token, the sampling plan, the prompt rows scored, and the attention's
+        host-side metadata."""
+        b = self._inputs(plan)
+        if not b.rows:
+            return b
+        b.wanted = [(r, i) for r, i in enumerate(b.rows)
+                    if plan[i].seq.kv_len + plan[i].tokens == plan[i].seq.target_len]
+        b.constrained = [plan[i].seq for _, i in b.wanted if plan[i].seq.matcher is not None]
+        b.sampling = self._sampling([(r, plan[i].seq) for r, i in b.wanted],
+                                    {id(s): g for g, s in enumerate(b.constrained)})
+        b.scored = PromptRows.of(b.scoring) if b.scoring else None
+        b.step = StepInputs(tuple(b.ids), tuple(b.segments), tuple(b.images),
+                            torch.cat(b.positions, dim=1) if self.adapter.mrope else None,
+                            b.scored.rows if b.scored else None, tuple(b.spans) if any(b.spans) else None)
+        b.prepared = self.runner.prepare(b.step)
+        return b
+
+    def _sampling(self, rows: list[tuple[int, Sequence]], grammar_rows: dict[int, int]) -> StepSampling:
+        """The host side of sampling `rows` ((logits row, sequence) each); a sequence whose own
+        sampling fails fails alone."""
+        ok, failed = [], {}
+        for k, (_, seq) in enumerate(rows):
+            try:
+                fault("generator.sample", seq.label)
+                ok.append(k)
+            except Exception as e:
+                failed[k] = e
+        specs, owners = row_specs([rows[k] for k in ok], self._banned, grammar_rows)
+        owners = [(ok[j], c) for j, c in owners]
+        per_row: dict[int, list[int]] = {}
+        for spec, (k, _) in enumerate(owners):
+            per_row.setdefault(k, []).append(spec)
+        carry_rows = {id(origin(rows[k][1])): specs_[0] for k, specs_ in per_row.items() if len(specs_) == 1}
+        return StepSampling(plan_sampling(specs), owners, failed, carry_rows)
+
+    @staticmethod
+    def _tokens(sampling: StepSampling, sampled: list, count: int) -> list:
+        """Per row due a token (`count` of them): its `Sampled`, every choice's for a request whose
+        prefill ended, or the error that failed it."""
+        got: dict[int, list] = {}
+        for (k, _), one in zip(sampling.owners, sampled):
+            got.setdefault(k, []).append(one)
+        out: list = []
+        for k in range(count):
+            if k in sampling.failed:
+                out.append(sampling.failed[k])
+                continue
+            bad = [x for x in got[k] if isinstance(x, Exception)]
+            out.append(bad[0] if bad else got[k][0] if len(got[k]) == 1 else got[k])
+        return out
 
 
     def _encode_lost_images(self, seq: Sequence, start: int, end: int) -> None:

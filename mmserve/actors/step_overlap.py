@@ -1,20 +1,22 @@
-"""Overlap scheduling (`[runtime] overlap`): step n+1 is planned, its blocks drawn and its inputs
-frozen on the event loop while step n runs on the compute thread, and queued behind it, so the
-compute thread goes from one forward to the next without waiting for the event loop; step n's
-results (streaming, stops, grammar, finishing) are handled while step n+1 runs (a part of
+"""Overlap scheduling (`[runtime] overlap`, on by default): step n+1 is planned, its blocks drawn
+and the whole step built (inputs, attention metadata, sampling plan: `Generator._build`) on the
+event loop while step n runs on the compute thread, and queued behind it, so the compute thread
+goes from one forward to the next without waiting for the event loop; step n's results
+(streaming, stops, grammar, finishing) are unpacked and handled while step n+1 runs (a part of
 `Generator`).
 
 What a step reads is frozen when it is launched (`SeqView`: the sequence's ids, KV length, block
 table and manager life as the step sees them), so the event loop may apply an earlier step's
 results to the same sequences meanwhile. A step launched *ahead* (before the previous step's
 tokens are on the host) carries only decode tokens of sequences that decoded in the step before:
-its new token is `CARRIED`, the token the previous step sampled for that sequence, taken on the
-compute thread, where that step sampled it (`Generator._step`). Everything that needs the
-previous step's results on the host first runs serially — the chain waits for the step in flight
-and the next step is planned as without overlap: prefill chunks and admissions (a prefill's end
-forks n > 1 choices, a round trip), grammar masks (the matcher must consume the token first),
-penalties (they read the answer so far), a preemption (never while a step may write the
-victim's blocks), forked choices' block copies, and a reservation too small for the next draws.
+its new token is `CARRIED` — a placeholder in its ids, the token itself gathered on the device from
+the ids the previous step sampled there (`Generator._gather_carried`, `StepInputs.carry`): no host
+round trip between the two steps. Everything that needs the previous step's results on the host
+first runs serially — the chain waits for the step in flight and the next step is planned as
+without overlap: prefill chunks and admissions (a prefill's end forks n > 1 choices, a round
+trip), grammar masks (the matcher must consume the token first), penalties (they read the answer
+so far), a preemption (never while a step may write the victim's blocks), forked choices' block
+copies, and a reservation too small for the next draws.
 
 Ownership: a sequence that ends while a step that carries it is in flight (a stop found at step
 n, with n+1 already launched, or a cancellation) keeps its blocks until every such step has
@@ -37,6 +39,10 @@ from mmserve.generation.scheduler import Planned, blocks_for
 
 CARRIED = -2
 """The token id of a step's input that is the token the previous step sampled for that sequence."""
+
+ENTER_WAIT_S = 0.005
+"""How long the event loop waits, once step n returned, for the compute thread to reach step n+1's
+forward before it handles step n's results (`_chain`): the most it ever delays them."""
 
 
 class SeqView:
@@ -93,6 +99,8 @@ class Flight:
     launched: float = field(default_factory=time.monotonic)
     done: trio.Event = field(default_factory=trio.Event)
     queued: trio.Event = field(default_factory=trio.Event)  # in the compute thread's queue
+    entered: trio.Event = field(default_factory=trio.Event)  # the compute thread reached its forward
+    out: object = None  # what the compute thread handed back (`StepOutput`)
     results: list | None = None
     report: list[Planned] = field(default_factory=list)  # what the step report says of the next draws
     returned: float | None = None
@@ -101,12 +109,13 @@ class Flight:
 class StepOverlap:
     """Generator methods: the chain of overlapped steps, and the releases held while they fly."""
 
-    overlap: bool = False
+    overlap: bool = True
 
     def _overlap_state(self) -> None:
         self._flying: Counter[int] = Counter()  # id(sequence) -> steps in flight that carry it
         self._held: list[tuple[int, object]] = []  # (id(sequence), Release) waiting for those steps
-        self._carried: dict[int, int] = {}  # compute thread: id(sequence) -> the token its last step sampled
+        # compute thread: the last step's sampled ids, on the device, and id(sequence) -> its row there
+        self._carried: tuple | None = None
         self._host_time: float | None = None  # the event loop's time before the next step's wait
 
     async def _chain(self, plan: list[Planned]) -> None:
@@ -125,10 +134,17 @@ class StepOverlap:
                 if previous_end is not None:  # the event loop's work since the last step returned
                     self._host_time = time.monotonic() - previous_end
                 await flight.done.wait()
+                if nxt is not None:
+                    # the compute thread goes from step n to n+1's forward first: every torch op of
+                    # its few between them lets the GIL go, and the event loop, busy with step n's
+                    # results, would keep it for up to the switch interval each time
+                    with trio.move_on_after(ENTER_WAIT_S):
+                        await nxt.entered.wait()
                 forward = flight.returned - max(flight.launched, previous_end or flight.launched)
                 previous_end = time.monotonic()
                 self._count_step(forward, self._host_time)
                 self._host_time = None
+                flight.results = await self._results(flight.out)  # its tokens' host copy, awaited here
                 await self._apply_results(flight.plan, flight.results, round(forward, 6))
                 self._landed(flight)
                 self._take_waiting()
@@ -151,13 +167,14 @@ class StepOverlap:
             if after is not None:
                 await after.queued.wait()
             try:
-                flight.results = await compute.run(self._step, views, taken, self._incarnation, built,
-                                                   abandon_on_cancel=True, owner=self.key, if_abandoned=abandoned,
-                                                   submitted=flight.queued.set)
+                out = await compute.run(self._step, views, taken, self._incarnation, built,
+                                        abandon_on_cancel=True, owner=self.key, if_abandoned=abandoned,
+                                        submitted=flight.queued.set)
             finally:
                 if copies:
                     self._release_copies()
             flight.returned = time.monotonic()
+            flight.out = out
             flight.done.set()
 
         nursery.start_soon(run)
@@ -187,9 +204,11 @@ class StepOverlap:
             self._draw(s, n)
             plan.append(Planned(s, 1, n, True))
         views = [Planned(SeqView.ahead(p.seq), 1, p.new_blocks, True) for p in plan]
-        # its inputs built here, while the step before it runs (the compute thread only fills in
-        # the tokens that step samples)
-        ahead = self._launch(nursery, plan, views, after=flight, built=self._inputs(views))
+        # the whole step built here, while the step before it runs — inputs, attention metadata,
+        # sampling plan (the compute thread gathers the tokens that step samples on the device)
+        built = self._build(views)
+        ahead = self._launch(nursery, plan, views, after=flight, built=built)
+        built.entered = _from_thread(ahead.entered.set)  # called on the compute thread
         # what the step after this one will draw: these sequences are two tokens further than their state
         ahead.report = [Planned(s, 2, 0, True) for s in going]
         return ahead
@@ -219,3 +238,16 @@ class StepOverlap:
             return False
         self._held.append((id(seq), entry))
         return True
+
+
+def _from_thread(fn):
+    """`fn` as a callable another thread may call: it runs on this trio loop (nothing once the loop
+    ended: an abandoned step may reach its forward after the runtime closed)."""
+    token = trio.lowlevel.current_trio_token()
+
+    def call() -> None:
+        try:
+            token.run_sync_soon(fn)
+        except trio.RunFinishedError:
+            pass
+    return call

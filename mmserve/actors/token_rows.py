@@ -40,11 +40,13 @@ def row_specs(rows: list[tuple[int, Sequence]], banned: Callable[[Sequence], tor
     return specs, owners
 
 
-def banned_ids(seq: Sequence, image_token: torch.Tensor, eos: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def banned_ids(seq: Sequence, image_token: torch.Tensor, eos: torch.Tensor, vocab_size: int,
+               image_and_eos: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens `seq` may not draw now: the image placeholder always; EOS for the whole answer
     with `ignore_eos` (vLLM: EOS does not end it; banning it makes `max_tokens` end it), and EOS and
     `stop_token_ids` before `min_tokens` (as vLLM's min-tokens processor). A grammar says itself
-    when the answer may end: a constrained sequence gets neither ban."""
+    when the answer may end: a constrained sequence gets neither ban. `image_and_eos`: the two
+    together, made once (a step asks for every sequence's bans)."""
     params = seq.params
     if seq.matcher is not None:
         return image_token
@@ -52,6 +54,8 @@ def banned_ids(seq: Sequence, image_token: torch.Tensor, eos: torch.Tensor, voca
     if not early and not params.ignore_eos:
         return image_token
     stops = [t for t in params.stop_token_ids if t < vocab_size] if early else []
+    if not stops and image_and_eos is not None:
+        return image_and_eos
     return torch.cat([image_token, eos, torch.tensor(stops, dtype=torch.long)] if stops else [image_token, eos])
 
 

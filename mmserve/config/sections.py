@@ -89,7 +89,7 @@ class RuntimeConfig:
     graph_token_buckets: tuple[int, ...] = ()  # token counts of the mixed-step buckets; (): 16, 32, ... max_batched_tokens
     graph_image_buckets: tuple[int, ...] = ()  # views a fixed-shape vision tower is padded to (vision_step)
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
-    overlap: bool = False  # step n+1 planned and launched while step n runs (actors.step_overlap); false: serial steps
+    overlap: bool = True  # step n+1 built and queued while step n runs (actors.step_overlap); false: serial steps
 
     def __post_init__(self) -> None:
         w = "[runtime]"

@@ -53,18 +53,13 @@ class DecodeBuffers:
         self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # host staging (pinned on CUDA): the copies in are asynchronous. A step's transfer back
-        # (its sampled tokens) would order them before the next fill rewrites these — but a step
-        # that samples nothing (a prefill chunk before its prompt's end) transfers nothing, so the
-        # copies record an event, and the next fill or clear waits for it (nothing on the CPU)
-        pin = device.type == "cuda"
-        self._copied = torch.cuda.Event() if pin else None
-        self._pending = False
-        self._host_ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
-        self._host_positions = torch.zeros(rope_rows, max_batch, dtype=torch.long, pin_memory=pin)
-        self._host_slots = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
-        self._host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self._host_seq_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+        # host staging (pinned on CUDA), double-buffered: the copies in are asynchronous, and with
+        # overlap scheduling the host fills step n+1's staging while step n's copy may still wait
+        # in the stream behind step n-1. Each set's copies record an event; a fill takes the other
+        # set than the last one and waits only for that set's own previous copies (step n-1's,
+        # long done), never for the step in flight (nothing to wait for on the CPU)
+        self._sets = [_Staging(max_batch, max_blocks, rope_rows, device) for _ in range(2)]
+        self._turn = 0
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every buffer (tests check that steps read only these, at fixed addresses)."""
@@ -80,10 +75,9 @@ class DecodeBuffers:
         widest = max(len(t) for t in tables)
         if widest > self.max_blocks:
             raise ValueError(f"a block table of {widest} blocks exceeds the static width {self.max_blocks}")
-        self._wait_copies()
-        host_ids, host_pos = self._host_ids.numpy(), self._host_positions.numpy()
-        host_slots, host_tables, host_lens = (self._host_slots.numpy(), self._host_tables.numpy(),
-                                              self._host_seq_lens.numpy())
+        st = self._next_set()
+        host_ids, host_pos = st.ids.numpy(), st.positions.numpy()
+        host_slots, host_tables, host_lens = st.slots.numpy(), st.tables.numpy(), st.seq_lens.numpy()
         host_ids[:bucket] = 0
         host_ids[:n] = ids
         start = np.asarray(starts, dtype=np.int64)
@@ -96,32 +90,31 @@ class DecodeBuffers:
         host_slots[:n] = host_tables[np.arange(n), start // bs].astype(np.int64) * bs + start % bs
         host_lens[:bucket] = 0
         host_lens[:n] = start + 1
-        self._copy_in(bucket)
+        self._copy_in(st, bucket)
 
     def clear(self, bucket: int) -> None:
         """Rows [0, bucket) become padding (what a capture at load runs on)."""
-        self._wait_copies()
-        self._host_ids[:bucket] = 0
-        self._host_positions[:, :bucket] = 0
-        self._host_slots[:bucket] = self.scratch_slot
-        self._host_tables[:bucket] = 0
-        self._host_seq_lens[:bucket] = 0
-        self._copy_in(bucket)
+        st = self._next_set()
+        st.ids[:bucket] = 0
+        st.positions[:, :bucket] = 0
+        st.slots[:bucket] = self.scratch_slot
+        st.tables[:bucket] = 0
+        st.seq_lens[:bucket] = 0
+        self._copy_in(st, bucket)
 
-    def _copy_in(self, bucket: int) -> None:
-        for buf, host in ((self.ids, self._host_ids), (self.slots, self._host_slots),
-                          (self.tables, self._host_tables), (self.seq_lens, self._host_seq_lens)):
+    def _next_set(self) -> "_Staging":
+        """The staging set the next fill writes (not the last one's), once its own copies are done."""
+        st = self._sets[self._turn]
+        self._turn ^= 1
+        st.wait()
+        return st
+
+    def _copy_in(self, st: "_Staging", bucket: int) -> None:
+        for buf, host in ((self.ids, st.ids), (self.slots, st.slots), (self.tables, st.tables),
+                          (self.seq_lens, st.seq_lens)):
             buf[:bucket].copy_(host[:bucket], non_blocking=True)  # rows
-        self.positions[:, :bucket].copy_(self._host_positions[:, :bucket], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-            self._pending = True
-
-    def _wait_copies(self) -> None:
-        """The last copies in have read the staging buffers: they may be rewritten."""
-        if self._pending:
-            self._copied.synchronize()
-            self._pending = False
+        self.positions[:, :bucket].copy_(st.positions[:, :bucket], non_blocking=True)
+        st.recorded()
 
     def metadata(self, bucket: int) -> PagedMetadata:
         """The step's metadata as views of the buffers (host fields: only the bucket's shape)."""
@@ -129,6 +122,31 @@ class DecodeBuffers:
                              cu_seqlens_q=self.cu_seqlens[:bucket + 1], slot_mapping=self.slots[:bucket],
                              num_decodes=bucket, max_query_len=0, block_size=self.block_size,
                              starts=(), lengths=(1,) * bucket, tables=())
+
+
+class _Staging:
+    """One set of a decode step's host staging (pinned on CUDA) and the event its copies in record."""
+
+    def __init__(self, max_batch: int, max_blocks: int, rope_rows: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.ids = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self.positions = torch.zeros(rope_rows, max_batch, dtype=torch.long, pin_memory=pin)
+        self.slots = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)
+        self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+        self._pending = False
+
+    def recorded(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
+
+    def wait(self) -> None:
+        """Its last copies in have read it: it may be rewritten."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
 
 
 class DecodeGraphs:

@@ -72,8 +72,13 @@ class MixedBuffers:
         if tile_tokens:
             self.tile_seqs = torch.zeros(self.programs(t), dtype=torch.int32, device=device)
             self.tile_ids = torch.zeros(self.programs(t), dtype=torch.int32, device=device)
-        # host staging of the metadata (pinned on CUDA: the copies in are asynchronous)
+        # host staging of the metadata (pinned on CUDA: the copies in are asynchronous). The step's
+        # samples go to the host asynchronously too, so nothing after the step orders its copies in
+        # before the next fill: they record an event, and a fill or clear first waits for it (a mixed
+        # step is never launched ahead of another, so on the GPU that wait finds it done; on the CPU
+        # there is nothing to wait for)
         pin = device.type == "cuda"
+        self._copied = torch.cuda.Event() if pin else None
         self._host = {name: torch.zeros_like(buf, device="cpu").pin_memory() if pin else
                       torch.zeros_like(buf, device="cpu")
                       for name, buf in self._metadata_buffers().items()}
@@ -125,6 +130,7 @@ class MixedBuffers:
         s_bucket = self.seqs(bucket)
         if n > bucket or bucket > self.max_tokens or s > s_bucket:
             raise ValueError(f"{n} tokens of {s} sequences in a bucket of {bucket} tokens, {s_bucket} sequences")
+        self._wait_copies()
         host = {k: v.numpy() for k, v in self._host.items()}
         lengths = np.array([seg.length for seg in segments], dtype=np.int64)
         starts = np.array([seg.start for seg in segments], dtype=np.int64)
@@ -185,6 +191,7 @@ class MixedBuffers:
 
     def clear(self, bucket: int) -> None:
         """Every token and sequence of the bucket padding (what a capture at load runs on)."""
+        self._wait_copies()
         for host in self._host.values():
             host.zero_()
         self._host["slots"].fill_(self.scratch_slot)
@@ -194,6 +201,10 @@ class MixedBuffers:
         self.embeds[:bucket].zero_()
         if self.deepstack is not None:
             self.deepstack[:, :bucket].zero_()
+
+    def _wait_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # (an event never recorded counts as done)
 
     def _copy_in(self, bucket: int) -> None:
         """The staged rows of the bucket into the device buffers (asynchronous from pinned memory)."""
@@ -208,6 +219,8 @@ class MixedBuffers:
                 buf[:, :rows].copy_(self._host[name][:, :rows], non_blocking=True)
             else:
                 buf[:rows].copy_(self._host[name][:rows], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def metadata(self, bucket: int) -> PagedMetadata:
         """The step's metadata as views of the buffers: every sequence a chunk (the prefill kernel;

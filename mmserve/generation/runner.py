@@ -30,7 +30,7 @@ the paged attention as its implementation (`models.paged_forward`), never a copy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from collections import Counter
 
@@ -61,6 +61,10 @@ class StepInputs:
     positions: torch.Tensor | None = None
     extra_rows: torch.Tensor | None = None
     spans: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(indices in `ids` [C] on the host, token ids [C] on the device): tokens the previous step
+    sampled and left on the device, gathered into this step's ids there (overlap scheduling; the
+    `ids` at those indices are placeholders)."""
 
     @property
     def decode_only(self) -> bool:
@@ -120,6 +124,7 @@ class ModelRunner:
         self.mixed_steps = 0  # other steps that ran from the static buffers
         self.eager_steps = 0
         self.eager_reasons: Counter[str] = Counter()  # why the eager steps were eager
+        self._launching: Callable[[], None] | None = None  # `forward`'s, until the model's work starts
 
     @property
     def captures(self) -> bool:
@@ -182,11 +187,27 @@ class ModelRunner:
     # -- a step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs) -> torch.Tensor:
+    def prepare(self, step: StepInputs) -> PagedBatch | None:
+        """The host-side metadata of `step`'s attention, built before the step reaches the compute
+        thread — on the event loop while the step before it runs, for a step launched ahead
+        (overlap scheduling): the sdpa path's `PagedBatch` over a CPU arena (fresh tensors each
+        step, so nothing a running step reads is written). None where `forward` builds it itself
+        (the static buffers' fill is a few numpy writes; a GPU arena's metadata is uploaded on the
+        compute thread's stream)."""
+        if self.buffers is None and self.backend.name == "sdpa" and self.kv.device.type == "cpu":
+            return PagedBatch(self.kv, step.segments, step.spans if step.spans and any(step.spans) else None)
+        return None
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs, prepared: PagedBatch | None = None,
+                launching: Callable[[], None] | None = None) -> torch.Tensor:
         """Float logits [len(segments) + len(extra_rows), vocab] on the device: each segment's last
-        new token, then the `extra_rows`."""
+        new token, then the `extra_rows`. `prepared`: `prepare(step)`'s result, if made;
+        `launching`: called once the inputs are in place, as the model's own work starts (the
+        overlap scheduler lets the event loop go on from there)."""
+        self._launching = launching
         if self.buffers is None:
-            return self._eager(step, "backend_not_capturable")
+            return self._eager(step, "backend_not_capturable", prepared=prepared)
         if step.decode_only and self._fits(step.segments):
             self.static_steps += 1
             return self._decode(step)
@@ -195,24 +216,46 @@ class ModelRunner:
         why = self.mixed.fits(step.segments, len(step.ids), step.spans)
         if why is not None:
             return self._eager(step, why)
-        embeds, lm_kwargs = self.adapter.step_inputs(step.ids, step.pieces)
+        embeds, lm_kwargs = self._embeds(step)
         if set(lm_kwargs) - DEEPSTACK_KWARGS:
             return self._eager(step, "family_inputs", (embeds, lm_kwargs))
         self.mixed_steps += 1
         return self._mixed(step, embeds, lm_kwargs)
 
+    def _launch(self) -> None:
+        launching, self._launching = self._launching, None
+        if launching is not None:
+            launching()
+
     def _fits(self, segments: Sequence[Segment]) -> bool:
         width = self.buffers.max_blocks * self.block_size
         return len(segments) <= self.buckets[-1] and all(s.end <= width for s in segments)
 
-    def _eager(self, step: StepInputs, reason: str, inputs: tuple[torch.Tensor, dict] | None = None) -> torch.Tensor:
+    def _embeds(self, step: StepInputs) -> tuple[torch.Tensor, dict]:
+        """The step's input embeddings and family arguments (`Adapter.step_inputs`); a step with
+        carried tokens (no image rows: decode tokens only) has its ids completed on the device
+        first, then looked up in the token embedding — what `Adapter.embed` does without pieces."""
+        if step.carry is None:
+            return self.adapter.step_inputs(step.ids, step.pieces)
+        if step.pieces:
+            raise ValueError("a step with carried tokens has no image rows")
+        return self.adapter.model.get_input_embeddings()(self._carried_ids(step).unsqueeze(0)), {}
+
+    def _carried_ids(self, step: StepInputs) -> torch.Tensor:
+        """The step's ids on the device, its carried tokens gathered in there (no host round trip)."""
+        at, tokens = step.carry
+        ids = torch.tensor(step.ids, dtype=torch.long).to(self.device, non_blocking=True)
+        return ids.index_copy_(0, at.to(self.device, non_blocking=True), tokens.to(self.device))
+
+    def _eager(self, step: StepInputs, reason: str, inputs: tuple[torch.Tensor, dict] | None = None,
+               prepared: PagedBatch | None = None) -> torch.Tensor:
         self.eager_steps += 1
         self.eager_reasons[reason] += 1
         adapter = self.adapter
-        embeds, lm_kwargs = inputs if inputs is not None else adapter.step_inputs(step.ids, step.pieces)
+        embeds, lm_kwargs = inputs if inputs is not None else self._embeds(step)
         spans = step.spans if step.spans and any(step.spans) else None
         if self.backend.name == "sdpa":
-            attention = PagedBatch(self.kv, step.segments, spans)
+            attention = prepared if prepared is not None else PagedBatch(self.kv, step.segments, spans)
             positions, last = attention.position_ids, attention.last_index
         else:
             meta = PagedMetadata.build(step.segments, self.block_size, self.device, spans=spans)
@@ -223,8 +266,9 @@ class ModelRunner:
         if embeds.shape[:2] != (1, len(step.ids)):
             raise ValueError(f"inputs_embeds {tuple(embeds.shape)} do not hold the step's {len(step.ids)} tokens")
         rows = last if step.extra_rows is None else torch.cat([last, step.extra_rows.to(self.device)])
-        return forward_step(adapter, embeds.to(self.device, adapter.dtype),
-                            step_positions(positions, step.positions, self.device), attention, rows, lm_kwargs)
+        embeds, positions = embeds.to(self.device, adapter.dtype), step_positions(positions, step.positions, self.device)
+        self._launch()
+        return forward_step(adapter, embeds, positions, attention, rows, lm_kwargs)
 
     def _decode(self, step: StepInputs) -> torch.Tensor:
         n = len(step.segments)
@@ -232,6 +276,10 @@ class ModelRunner:
         positions = None if step.positions is None else step.positions.cpu().numpy()
         self.buffers.fill(step.ids, [s.block_table[:-(-s.end // self.block_size)] for s in step.segments],
                           [s.start for s in step.segments], positions, bucket)
+        if step.carry is not None:  # the previous step's tokens, gathered on the device into the ids buffer
+            at, tokens = step.carry
+            self.buffers.ids.index_copy_(0, at.to(self.device, non_blocking=True), tokens.to(self.device))
+        self._launch()
         return self.graphs.run(bucket)[:n]
 
     def _mixed(self, step: StepInputs, embeds: torch.Tensor, lm_kwargs: dict) -> torch.Tensor:
@@ -244,6 +292,7 @@ class ModelRunner:
         self.mixed.fill(step.segments, embeds[0], positions, spans, bucket)
         if lm_kwargs.get("deepstack_visual_embeds"):
             self.mixed.fill_deepstack(step.pieces, lm_kwargs["deepstack_visual_embeds"])
+        self._launch()
         return self.mixed_graphs.run(bucket)[:len(step.segments)]
 
     def _mixed_body(self, bucket: int) -> torch.Tensor:
