@@ -84,6 +84,7 @@ class RuntimeConfig:
     graph_token_buckets: tuple[int, ...] = ()  # token counts of the mixed-step buckets; (): 16, 32, ... max_batched_tokens
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
     overlap: bool = False  # step n+1 planned and launched while step n runs (actors.step_overlap); false: serial steps
+    deterministic: bool = False  # every logit a function of its request alone (models.batch_invariant); CPU only
 
     def __post_init__(self) -> None:
         w = "[runtime]"
@@ -96,6 +97,7 @@ class RuntimeConfig:
         object.__setattr__(self, "graph_token_buckets", tuple(sorted(set(buckets))))
         check_bool(w, "gc_freeze", self.gc_freeze)
         check_bool(w, "overlap", self.overlap)
+        check_bool(w, "deterministic", self.deterministic)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
         check_choice(w, "dtype", self.dtype, ("auto", *DTYPES))
