@@ -72,6 +72,7 @@ class Oracle:
         self.images = oracle_images(list(family.sizes), seed=700)
         self.deterministic = deterministic
         self.longest = 0  # the most tokens (prompt and answer) a reference request took
+        self.cached: dict[int, int] = {}  # request index -> its last turn's cached prompt tokens (caches on)
 
     @contextmanager
     def runtimes(self, requests: list[Request]):
@@ -112,12 +113,13 @@ class Oracle:
             history.append({"role": "assistant", "content": answer.choices[0].text})
         return out
 
-    def served(self, on, request: Request) -> list[list[list]]:
+    def served(self, on, request: Request, index: int = -1) -> list[list[list]]:
         """Each turn with the caches on (every choice's logprobs), the reference's text as history."""
         history, out = [], []
         for images, question in request.turns:
             history.append(self.message(images, question))
             answer = self.ask(on, history, request.tokens, request.n)
+            self.cached[index] = answer.usage.cached_tokens
             out.append([logprobs(c) for c in answer.choices])
             history.append({"role": "assistant", "content": answer.choices[0].text})
         return out
@@ -130,7 +132,7 @@ class Oracle:
 
         def one(i):
             try:
-                got[i] = self.served(on, requests[i])
+                got[i] = self.served(on, requests[i], i)
             except BaseException as e:  # reported in the test's thread
                 errors.append(e)
 
@@ -141,3 +143,12 @@ class Oracle:
         assert not errors, errors
         return [(i, t, c) for i, (g, w) in enumerate(zip(got, want)) for t, (choices, ref) in enumerate(zip(g, w))
                 for c, lp in enumerate(choices) if lp != ref]
+
+    def hit_ends_inside_an_image(self, on, requests: list[Request]) -> bool:
+        """Whether the last request's prefix hit ended inside one of its images (run after
+        `differences`): the [X, Z] prompt after [X, Y]."""
+        (images, question), = requests[-1].turns
+        chat = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]}]
+        prompt = self.loaded(on).adapter.tokenize(chat, [self.images[i] for i in images])
+        hit = self.cached[len(requests) - 1]
+        return any(s.start < hit < s.start + s.length for s in prompt.spans)

@@ -44,6 +44,7 @@ def test_every_logprob_is_bit_identical_cached_batched_chunked_preempted(model, 
         stats = on.stats()[model]
         # what the workload reached: prefix hits, evictions, preemptions, chunked prefills
         assert stats["prefix_cache"]["hit_blocks"] > 0, stats
+        assert oracle.hit_ends_inside_an_image(on, requests), oracle.cached
         assert generator.preemptions > 0, "the arena was large enough: nothing was preempted"
         assert on.chat_completion([{"role": "user", "content": "hi"}], max_tokens=1).system_fingerprint \
             == "mmserve-det1:batch+prefix_cache+chunking+preemption"

@@ -40,8 +40,9 @@ KEY_BLOCK = 16
 """Keys per block of the P·V reduction (absolute positions [16 j, 16 j + 16)): the default KV
 block size, and the inner size at which the CPU's batched GEMM was measured invariant."""
 
-ROW_PAD = 16
-"""Query rows of a call are padded to a multiple of this (row counts below it take other kernels)."""
+ROW_PAD = 4
+"""Query rows of a call are padded to a multiple of this: MKL's GEMM computes rows in panels of 4,
+a remainder (and a lone row: a GEMV) with other kernels."""
 
 
 class DeterministicSdpaBackend(AttentionBackend):
@@ -71,11 +72,12 @@ class DeterministicSdpaBackend(AttentionBackend):
             first = [lo // KEY_BLOCK * KEY_BLOCK for lo in los]  # block-aligned: absolute block boundaries
             width = max(_pad(int(e.max()) - f, KEY_BLOCK) for e, f in zip(ends, first))
             slots, real = _key_slots(meta, seqs, first, width, bs)
-            k = kbuf.index_select(0, slots).view(len(seqs), width, kv_heads, head_dim)
-            v = vbuf.index_select(0, slots).view(len(seqs), width, kv_heads, head_dim)
-            zero = torch.zeros((), dtype=k.dtype, device=k.device)
-            k = torch.where(real[:, :, None, None], k, zero).to(query.dtype)
-            v = torch.where(real[:, :, None, None], v, zero).to(query.dtype)
+            # keys past a sequence's end are never seen (their scores are masked), but their values
+            # must be zeros: p = 0 times NaN (a never-written slot of the arena) would be NaN
+            k = kbuf.index_select(0, slots).view(len(seqs), width, kv_heads, head_dim).to(query.dtype)
+            v = query.new_ones(len(seqs), kv_heads, width, head_dim + 1)  # the last column: p's sum
+            v[..., :head_dim] = vbuf.index_select(0, slots).view(len(seqs), width, kv_heads, head_dim).transpose(1, 2)
+            v.masked_fill_(~real[:, None, :, None], 0)
             q = query.new_zeros(len(seqs), rows, kv_heads, head_dim)
             mask = torch.zeros(len(seqs), rows, width, dtype=torch.bool)
             for j, i in enumerate(seqs):
@@ -88,7 +90,7 @@ class DeterministicSdpaBackend(AttentionBackend):
                 lo = (pos - window + 1) if window else np.zeros_like(pos)
                 seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < ends[j][:, None])
                 mask[j, :n * group] = torch.from_numpy(np.repeat(seen, group, axis=0))
-            o = invariant_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3),
+            o = invariant_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v,
                                     mask.to(query.device)[:, None], scale)  # [S, kv_heads, rows, d]
             for j, i in enumerate(seqs):
                 n = meta.lengths[i]
@@ -99,10 +101,11 @@ class DeterministicSdpaBackend(AttentionBackend):
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                         scale: float) -> torch.Tensor:
-    """q [S, H, R, d] (R a multiple of `ROW_PAD`), k/v [S, H, N, d] (N a multiple of `KEY_BLOCK`,
-    key j at an absolute position ≡ j mod KEY_BLOCK, zeros where not real), mask [S, 1|H, R, N]
-    (True: the row sees the key) -> [S, H, R, d]; a row that sees no key gives NaN (padding).
-    Every reduction has a fixed shape (the module docstring)."""
+    """q [S, H, R, d] (R a multiple of `ROW_PAD`), k [S, H, N, d] (N a multiple of `KEY_BLOCK`,
+    key j at an absolute position ≡ j mod KEY_BLOCK), v [S, H, N, d + 1] (the values and a column
+    of ones; zeros where a key is not real), mask [S, 1|H, R, N] (True: the row sees the key) ->
+    [S, H, R, d]; a row that sees no key gives NaN (padding). Every reduction has a fixed shape
+    (the module docstring)."""
     s_, h, r, d = q.shape
     n = k.shape[2]
     blocks = n // KEY_BLOCK
@@ -112,8 +115,7 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     top = torch.where(torch.isfinite(top), top, 0.0)
     p = pointwise(torch.exp, scores - top)  # [S, H, R, N]; exactly 0 where masked
     p = p.view(s_ * h, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(s_ * h * blocks, r, KEY_BLOCK)
-    ones = v.new_ones(s_, h, n, 1)
-    vx = torch.cat([v, ones], -1).reshape(s_ * h * blocks, KEY_BLOCK, d + 1)
+    vx = v.reshape(s_ * h * blocks, KEY_BLOCK, d + 1)
     parts = torch.bmm(p, vx).view(s_ * h, blocks, r, d + 1)
     total = parts.cumsum(1)[:, -1]  # the blocks summed in order, one after the other
     return (total[..., :d] / total[..., d:]).view(s_, h, r, d)
