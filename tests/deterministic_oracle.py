@@ -41,12 +41,13 @@ class Request:
     turns: tuple[tuple[tuple[int, ...], str], ...]
     tokens: int
     n: int = 1
+    seed: int | None = None  # sampled at temperature 1 from this seed (None: greedy)
 
 
 def workload(seed: int, images: int, conversations: int = 3, asks: int = 2) -> list[Request]:
     """A randomized workload: multi-turn conversations (2-3 images, then 0-1 a turn), greedy
-    asks with n = 2, and a pair [X, Y] / [X, Z] whose second prompt hits the first's blocks up to
-    inside X."""
+    asks with n = 2, a seeded sampled ask, and a pair [X, Y] / [X, Z] whose second prompt hits the
+    first's blocks up to inside X."""
     rng = random.Random(seed)
     out = []
     for _ in range(conversations):
@@ -56,6 +57,7 @@ def workload(seed: int, images: int, conversations: int = 3, asks: int = 2) -> l
         out.append(Request(tuple(turns), rng.randint(3, 7)))
     for _ in range(asks):
         out.append(Request(((tuple(rng.sample(range(images), rng.randint(1, 2))), Q_COLOR),), rng.randint(2, 8), n=2))
+    out.append(Request(((tuple(rng.sample(range(images), 2)), Q_SHAPE),), rng.randint(4, 8), seed=rng.randrange(1000)))
     x, y, z = rng.sample(range(images), 3)
     out += [Request((((x, y), Q_FIRST),), 4), Request((((x, z), Q_FIRST),), 6)]
     return out
@@ -98,16 +100,17 @@ class Oracle:
         return {"role": "user", "content": [image_part(self.images[i]) for i in images]
                 + [{"type": "text", "text": question}]}
 
-    def ask(self, rt, history, tokens, n=1):
-        return rt.chat_completion(history, temperature=0, max_tokens=tokens, min_tokens=tokens, n=n,
-                                  logprobs=True, top_logprobs=2)
+    def ask(self, rt, history, tokens, n=1, seed=None):
+        sampling = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        return rt.chat_completion(history, max_tokens=tokens, min_tokens=tokens, n=n, logprobs=True, top_logprobs=2,
+                                  **sampling)
 
     def alone(self, off, request: Request) -> list[list]:
         """The reference: each turn alone, caches off; the turn's answer joins the history."""
         history, out = [], []
         for images, question in request.turns:
             history.append(self.message(images, question))
-            answer = self.ask(off, history, request.tokens)
+            answer = self.ask(off, history, request.tokens, seed=request.seed)
             self.longest = max(self.longest, answer.usage.total_tokens)
             out.append(logprobs(answer.choices[0]))
             history.append({"role": "assistant", "content": answer.choices[0].text})
@@ -118,7 +121,7 @@ class Oracle:
         history, out = [], []
         for images, question in request.turns:
             history.append(self.message(images, question))
-            answer = self.ask(on, history, request.tokens, request.n)
+            answer = self.ask(on, history, request.tokens, request.n, request.seed)
             self.cached[index] = answer.usage.cached_tokens
             out.append([logprobs(c) for c in answer.choices])
             history.append({"role": "assistant", "content": answer.choices[0].text})

@@ -50,6 +50,17 @@ def test_every_logprob_is_bit_identical_cached_batched_chunked_preempted(model, 
             == "mmserve-det1:batch+prefix_cache+chunking+preemption"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_larger_randomized_workloads_are_bit_identical(model, tmp_path_factory):
+    """Three more seeds of a larger workload (5 conversations, 4 asks) a family."""
+    oracle = Oracle(family(model, tmp_path_factory))
+    for seed in (1, 2, 3):
+        requests = workload(seed=seed, images=len(oracle.images), conversations=5, asks=4)
+        with oracle.runtimes(requests) as (on, off, want):
+            assert oracle.differences(on, want, requests) == [], seed
+
+
 def test_the_same_check_fails_with_the_mode_off(tmp_path_factory):
     oracle = Oracle(family("demo", tmp_path_factory), deterministic=False)
     requests = workload(seed=40, images=len(oracle.images))
