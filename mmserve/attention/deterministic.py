@@ -52,73 +52,114 @@ class DeterministicSdpaBackend(AttentionBackend):
     name = "sdpa_deterministic"
     supports = frozenset({"gqa", "mrope_positions", "sliding_window", "bidirectional_spans"})
 
+    def __init__(self):
+        self._plans: tuple[PagedMetadata | None, dict] = (None, {})  # the step's layouts, per (window, group)
+
     def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         heads, head_dim = query.shape[1], query.shape[2]
-        kv_heads, bs = key_cache.shape[2], key_cache.shape[1]
+        kv_heads = key_cache.shape[2]
         group = heads // kv_heads
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         out = torch.empty_like(query) if out is None else out
-        offsets = np.concatenate([[0], np.cumsum(meta.lengths)])
-        q_ends = None if meta.q_ends is None else meta.q_ends.cpu().numpy()
-        calls: dict[int, list[int]] = {}
-        for i, n in enumerate(meta.lengths):
-            calls.setdefault(_pad(n * group, ROW_PAD), []).append(i)
+        # [kv_heads, tokens, group, d]: a KV head's query rows in one place
+        q_heads = query.view(-1, kv_heads, group, head_dim).transpose(0, 1)
+        out_heads = out.view(-1, kv_heads, group, head_dim)
         kbuf = key_cache.view(-1, kv_heads, head_dim)
         vbuf = value_cache.view(-1, kv_heads, head_dim)
-        for rows, seqs in calls.items():
-            ends = [_key_ends(meta, i, offsets, q_ends) for i in seqs]
-            los = [_first_key(meta.starts[i], window) for i in seqs]
-            first = [lo // KEY_BLOCK * KEY_BLOCK for lo in los]  # block-aligned: absolute block boundaries
-            width = max(_pad(int(e.max()) - f, KEY_BLOCK) for e, f in zip(ends, first))
-            slots, real = _key_slots(meta, seqs, first, width, bs)
-            # keys past a sequence's end are never seen (their scores are masked), but their values
-            # must be zeros: p = 0 times NaN (a never-written slot of the arena) would be NaN
-            k = kbuf.index_select(0, slots).view(len(seqs), width, kv_heads, head_dim).to(query.dtype)
-            v = query.new_ones(len(seqs), kv_heads, width, head_dim + 1)  # the last column: p's sum
-            v[..., :head_dim] = vbuf.index_select(0, slots).view(len(seqs), width, kv_heads, head_dim).transpose(1, 2)
-            v.masked_fill_(~real[:, None, :, None], 0)
-            q = query.new_zeros(len(seqs), rows, kv_heads, head_dim)
-            mask = torch.zeros(len(seqs), rows, width, dtype=torch.bool)
-            for j, i in enumerate(seqs):
-                n = meta.lengths[i]
-                # row r = token * group + g (the token's query heads of one KV head, consecutive)
-                q[j, :n * group] = query[offsets[i]:offsets[i] + n].view(n, kv_heads, group, head_dim) \
-                    .transpose(1, 2).reshape(n * group, kv_heads, head_dim)
-                pos = np.arange(meta.starts[i], meta.starts[i] + n)
-                keys = np.arange(first[j], first[j] + width)
-                lo = (pos - window + 1) if window else np.zeros_like(pos)
-                seen = (keys[None, :] >= lo[:, None]) & (keys[None, :] < ends[j][:, None])
-                mask[j, :n * group] = torch.from_numpy(np.repeat(seen, group, axis=0))
-            o = invariant_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v,
-                                    mask.to(query.device)[:, None], scale)  # [S, kv_heads, rows, d]
-            for j, i in enumerate(seqs):
-                n = meta.lengths[i]
-                out[offsets[i]:offsets[i] + n] = o[j, :, :n * group].reshape(kv_heads, n, group, head_dim) \
-                    .permute(1, 0, 2, 3).reshape(n, heads, head_dim)
+        for call in self._plan(meta, window, group, kv_heads, query.device):
+            s_, rows, width = call.seqs, call.rows, call.width
+            # keys and values gathered slot by slot (index_select over a transposed arena would copy
+            # the whole layer first), then as [kv_heads * S, width, d] (batch index h * S + j); keys
+            # past a sequence's end repeat its last slot (finite: never seen, p = 0 there)
+            k = _heads_first(kbuf.index_select(0, call.slots), query.dtype).view(kv_heads * s_, width, head_dim)
+            v = _heads_first(vbuf.index_select(0, call.slots), query.dtype).view(kv_heads * s_, width, head_dim)
+            q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
+            o = invariant_attention(q, k, v, call.mask, scale)  # [kv_heads * S, rows, d]
+            o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
+            out_heads[call.real_token, :, call.real_head] = o
         return out
+
+    def _plan(self, meta: PagedMetadata, window: int | None, group: int, kv_heads: int, device) -> list["_Call"]:
+        """The step's calls for a layer of `window`, built once per step (every layer reads them)."""
+        step, plans = self._plans
+        if step is not meta:
+            plans = {}
+            self._plans = (meta, plans)
+        key = (window, group)
+        if key not in plans:
+            offsets = np.concatenate([[0], np.cumsum(meta.lengths)])
+            q_ends = None if meta.q_ends is None else meta.q_ends.cpu().numpy()
+            calls: dict[int, list[int]] = {}
+            for i, n in enumerate(meta.lengths):
+                calls.setdefault(_pad(n * group, ROW_PAD), []).append(i)
+            plans[key] = [_Call(meta, seqs, rows, group, window, offsets, q_ends, kv_heads, device)
+                          for rows, seqs in calls.items()]
+        return plans[key]
+
+
+def _heads_first(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[slots, kv_heads, d] -> [kv_heads, slots, d], contiguous, in `dtype`."""
+    return rows.transpose(0, 1).to(dtype, memory_format=torch.contiguous_format).contiguous()
+
+
+class _Call:
+    """One batched call's layout, built on the host once a step: sequences `seqs` (each `rows`
+    padded query rows), each read from its first key's block boundary over `width` keys; as
+    device tensors: the key slots, each row's token and query head, the mask, the real rows."""
+
+    def __init__(self, meta: PagedMetadata, seqs: list[int], rows: int, group: int, window: int | None,
+                 offsets: np.ndarray, q_ends: np.ndarray | None, kv_heads: int, device):
+        s_ = len(seqs)
+        first = np.array([_first_key(meta.starts[i], window) // KEY_BLOCK * KEY_BLOCK for i in seqs])
+        ends = [_key_ends(meta, i, offsets, q_ends) for i in seqs]
+        width = max(_pad(int(e.max()) - f, KEY_BLOCK) for e, f in zip(ends, first))
+        keys = first[:, None] + np.arange(width)[None, :]  # [S, width] absolute positions
+        slots = np.zeros((s_, width), dtype=np.int64)
+        token = np.zeros((s_, rows), dtype=np.int64)  # row r of sequence j: token r // group ...
+        head = np.zeros((s_, rows), dtype=np.int64)  # ... and query head r % group of a KV head
+        real = np.zeros((s_, rows), dtype=bool)
+        lo = np.full((s_, rows), 1 << 62, dtype=np.int64)  # padding rows see no key
+        hi = np.zeros((s_, rows), dtype=np.int64)
+        for j, i in enumerate(seqs):
+            start, n = meta.starts[i], meta.lengths[i]
+            table = np.asarray(meta.tables[i], dtype=np.int64)
+            pos = np.minimum(keys[j], start + n - 1)  # past the end: the last key again
+            slots[j] = table[pos // meta.block_size] * meta.block_size + pos % meta.block_size
+            r = np.arange(n * group)
+            token[j, :n * group] = offsets[i] + r // group
+            head[j, :n * group] = r % group
+            real[j, :n * group] = True
+            lo[j, :n * group] = start + r // group - window + 1 if window else 0
+            hi[j, :n * group] = np.repeat(ends[j], group)
+        mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
+        self.seqs, self.rows, self.width = s_, rows, width
+        self.slots, self.token, self.head, self.real = as_tensor(slots), as_tensor(token), as_tensor(head), as_tensor(real)
+        self.real_token, self.real_head = self.token[self.real], self.head[self.real]
+        self.mask = torch.from_numpy(mask).to(device).repeat(kv_heads, 1, 1)  # batch index h * S + j
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                         scale: float) -> torch.Tensor:
-    """q [S, H, R, d] (R a multiple of `ROW_PAD`), k [S, H, N, d] (N a multiple of `KEY_BLOCK`,
-    key j at an absolute position ≡ j mod KEY_BLOCK), v [S, H, N, d + 1] (the values and a column
-    of ones; zeros where a key is not real), mask [S, 1|H, R, N] (True: the row sees the key) ->
-    [S, H, R, d]; a row that sees no key gives NaN (padding). Every reduction has a fixed shape
+    """q [B, R, d] (R a multiple of `ROW_PAD`), k/v [B, N, d] (N a multiple of `KEY_BLOCK`, key j at
+    an absolute position ≡ j mod KEY_BLOCK, finite), mask [B, R, N] (True: the row sees the key)
+    -> [B, R, d]; a row that sees no key gives NaN (padding). Every reduction has a fixed shape
     (the module docstring)."""
-    s_, h, r, d = q.shape
-    n = k.shape[2]
+    b, r, d = q.shape
+    n = k.shape[1]
     blocks = n // KEY_BLOCK
-    scores = torch.bmm(q.reshape(s_ * h, r, d).contiguous(), k.reshape(s_ * h, n, d).contiguous().transpose(1, 2))
-    scores = torch.where(mask, scores.view(s_, h, r, n) * scale, float("-inf"))
+    scores = torch.where(mask, torch.bmm(q, k.transpose(1, 2)) * scale, float("-inf"))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    p = pointwise(torch.exp, scores - top)  # [S, H, R, N]; exactly 0 where masked
-    p = p.view(s_ * h, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(s_ * h * blocks, r, KEY_BLOCK)
-    vx = v.reshape(s_ * h * blocks, KEY_BLOCK, d + 1)
-    parts = torch.bmm(p, vx).view(s_ * h, blocks, r, d + 1)
-    total = parts.cumsum(1)[:, -1]  # the blocks summed in order, one after the other
-    return (total[..., :d] / total[..., d:]).view(s_, h, r, d)
+    p = pointwise(torch.exp, scores - top)  # [B, R, N]; exactly 0 where masked
+    p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
+    parts = torch.bmm(p, v.reshape(b * blocks, KEY_BLOCK, d)).view(b, blocks, r, d)
+    sums = p.sum(-1).view(b, blocks, r)  # each block's sum of p: 16 numbers, one fixed pattern
+    # the blocks summed in position order, one after the other (a scan): a block the row does not
+    # see adds exact zeros
+    total, norm = parts.cumsum(1)[:, -1], sums.cumsum(1)[:, -1]
+    return total / norm.unsqueeze(-1)
 
 
 def _pad(n: int, to: int) -> int:
@@ -136,22 +177,6 @@ def _key_ends(meta: PagedMetadata, i: int, offsets: np.ndarray, q_ends: np.ndarr
     if q_ends is None:
         return np.arange(start + 1, start + n + 1)
     return q_ends[offsets[i]:offsets[i] + n].astype(np.int64)
-
-
-def _key_slots(meta: PagedMetadata, seqs: list[int], first: list[int], width: int, bs: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The arena slots of keys [first[j], first[j] + width) of each sequence [S * width] (slot 0
-    past its end), and which of them are real [S, width] (before its end)."""
-    slots = np.zeros((len(seqs), width), dtype=np.int64)
-    real = np.zeros((len(seqs), width), dtype=bool)
-    for j, i in enumerate(seqs):
-        end = meta.starts[i] + meta.lengths[i]
-        pos = np.arange(first[j], min(end, first[j] + width))
-        table = np.asarray(meta.tables[i], dtype=np.int64)
-        slots[j, :len(pos)] = table[pos // bs] * bs + pos % bs
-        real[j, :len(pos)] = True
-    device = meta.slot_mapping.device
-    return torch.from_numpy(slots.reshape(-1)).to(device), torch.from_numpy(real).to(device)
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
