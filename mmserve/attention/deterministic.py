@@ -65,15 +65,14 @@ class DeterministicSdpaBackend(AttentionBackend):
         # [kv_heads, tokens, group, d]: a KV head's query rows in one place
         q_heads = query.view(-1, kv_heads, group, head_dim).transpose(0, 1)
         out_heads = out.view(-1, kv_heads, group, head_dim)
-        kbuf = key_cache.view(-1, kv_heads, head_dim)
-        vbuf = value_cache.view(-1, kv_heads, head_dim)
+        kbuf = key_cache.view(-1, head_dim)  # row slot * kv_heads + h: one KV head's key of one slot
+        vbuf = value_cache.view(-1, head_dim)
         for call in self._plan(meta, window, group, kv_heads, query.device):
             s_, rows, width = call.seqs, call.rows, call.width
-            # keys and values gathered slot by slot (index_select over a transposed arena would copy
-            # the whole layer first), then as [kv_heads * S, width, d] (batch index h * S + j); keys
-            # past a sequence's end repeat its last slot (finite: never seen, p = 0 there)
-            k = _heads_first(kbuf.index_select(0, call.slots), query.dtype).view(kv_heads * s_, width, head_dim)
-            v = _heads_first(vbuf.index_select(0, call.slots), query.dtype).view(kv_heads * s_, width, head_dim)
+            # keys and values gathered in one copy straight into [kv_heads * S, width, d] (batch index
+            # h * S + j); keys past a sequence's end repeat its last slot (finite: never seen, p = 0)
+            k = kbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
+            v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
             q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
             o = invariant_attention(q, k, v, call.mask, scale)  # [kv_heads * S, rows, d]
             o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
@@ -98,15 +97,11 @@ class DeterministicSdpaBackend(AttentionBackend):
         return plans[key]
 
 
-def _heads_first(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[slots, kv_heads, d] -> [kv_heads, slots, d], contiguous, in `dtype`."""
-    return rows.transpose(0, 1).to(dtype, memory_format=torch.contiguous_format).contiguous()
-
-
 class _Call:
     """One batched call's layout, built on the host once a step: sequences `seqs` (each `rows`
     padded query rows), each read from its first key's block boundary over `width` keys; as
-    device tensors: the key slots, each row's token and query head, the mask, the real rows."""
+    device tensors: the arena rows to read, each row's token and query head, the mask, the real
+    rows."""
 
     def __init__(self, meta: PagedMetadata, seqs: list[int], rows: int, group: int, window: int | None,
                  offsets: np.ndarray, q_ends: np.ndarray | None, kv_heads: int, device):
@@ -135,7 +130,9 @@ class _Call:
         mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
         self.seqs, self.rows, self.width = s_, rows, width
-        self.slots, self.token, self.head, self.real = as_tensor(slots), as_tensor(token), as_tensor(head), as_tensor(real)
+        # the arena's [slots * kv_heads, d] rows to read, heads first: [kv_heads, S, width]
+        self.rows_read = as_tensor(slots[None] * kv_heads + np.arange(kv_heads)[:, None, None])
+        self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
         self.real_token, self.real_head = self.token[self.real], self.head[self.real]
         self.mask = torch.from_numpy(mask).to(device).repeat(kv_heads, 1, 1)  # batch index h * S + j
 
