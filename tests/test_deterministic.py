@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from mmserve.attention import PagedMetadata, SdpaBackend, select
 from mmserve.attention.backend import AttentionBackendUnavailable, key_ends
 from mmserve.attention.deterministic import DeterministicSdpaBackend, pointwise
-from mmserve.models.batch_invariant import fingerprint, invariant_linear
+from mmserve.models.batch_invariant import fingerprint, invariant_linear, pack
 from mmserve.models.paged import Segment
 
 BS = 16
@@ -116,14 +116,16 @@ def test_linear_rows_do_not_follow_the_row_count_and_mkl_s_do():
     g = torch.Generator().manual_seed(7)
     for k, n in [(64, 128), (128, 344), (512, 1408)]:
         w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(k, generator=g)
-        want = invariant_linear(x[None], w, b)[0]
+        packed = pack(w)
+        want = invariant_linear(x[None], packed, b)[0]
         assert torch.allclose(want, F.linear(x, w, b), atol=1e-4)
+        assert torch.equal(invariant_linear(x[None], w, b)[0], want)  # packed or not: the same bits
         mkl = set()
         for m in (1, 2, 3, 5, 8, 17, 64, 300):
             rows = torch.randn(m, k, generator=g)
             for p in {0, m - 1, m // 2}:
                 rows[p] = x
-                assert torch.equal(invariant_linear(rows, w, b)[p], want), (k, n, m, p)
+                assert torch.equal(invariant_linear(rows, packed, b)[p], want), (k, n, m, p)
                 mkl.add(F.linear(rows, w, b)[p].numpy().tobytes())
         assert len(mkl) > 1  # the default varies (GEMV, tail and main kernels)
 

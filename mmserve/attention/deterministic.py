@@ -10,21 +10,24 @@ reduction by the key count: measured, a query's output changes when the keys run
 zeros or not). What this does instead, for every sequence of the step (`invariant_attention`):
 
 - **scores**: one `bmm` of the query rows (a KV head's GQA group x tokens, padded to a multiple
-  of 16 rows) against the keys (padded to a multiple of `KEY_BLOCK`), the reduction over
-  head_dim only: measured on this torch, an element's bits depend on neither the row count, the
-  row's position, the key count nor the batch (`tests/test_deterministic.py` pins it);
+  of `ROW_PAD` rows) against the keys from the first key's block boundary (padded to a multiple
+  of `KEY_BLOCK`), the reduction over head_dim only: measured on this torch, an element's bits
+  depend on neither the row count, the row's position, the key count nor the batch
+  (`tests/test_deterministic.py` pins it);
 - **softmax**: masked keys (outside the causal/window/span interval) are -inf, the row max is
-  exact whatever the order, p = exp(s - max) is elementwise (a masked key's p is exactly 0);
-- **P·V and the normaliser** in fixed blocks of `KEY_BLOCK` keys aligned to absolute positions
-  (a multiple of 16 from position 0: the KV arena's blocks), one `bmm` of fixed inner size per
-  block (V carries a column of ones: the block's sum of p comes out of the same product), the
-  blocks then summed in position order by a scan (`cumsum`: sequential on the CPU). A block the
-  query does not see contributes exact zeros, so it does not matter how many of them a call
-  holds, and the keys' K/V beyond a sequence's end are zeroed before they are read (the arena is
-  `torch.empty`: 0 x NaN would be NaN).
+  exact whatever the order, p = exp(s - max) is elementwise on the vector path (`pointwise`; a
+  masked key's p is exactly 0);
+- **P·V** in fixed blocks of `KEY_BLOCK` keys aligned to absolute positions (a multiple of 16
+  from position 0: the KV arena's blocks), one `bmm` of inner size 16 per block, and each block's
+  sum of p over its 16 keys; the blocks then summed in position order by a scan (`cumsum`:
+  sequential on the CPU). A block the query does not see contributes exact zeros, so it does not
+  matter how many of them a call holds; keys past a sequence's end read its last key again
+  (finite: p = 0 times a never-written slot of the `torch.empty` arena could be NaN).
 
-The cost is the padding of decode rows to 16 and a gather of each sequence's keys (no view in
-place); `docs/performance.md` has the figures.
+Sequences whose rows pad to the same count share one batched call (a step's decode tokens: one
+call); the host-side layout of a step's calls is built once and read by every layer. The cost —
+rows padded to 4, one gather of every sequence's keys and values a layer (the default reads them
+in place), many small P·V products — is in `docs/performance.md`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ is fixed (`tests/test_deterministic.py` pins each):
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Sequence
 
@@ -131,15 +132,11 @@ def _padded_rotary(forward):
     the positions padded to whole vectors (its cos and sin are elementwise over [..., T, d])."""
     def run(x, position_ids, *args, **kwargs):
         t = position_ids.shape[-1]
-        unit = 32
-        padded = -(-t // unit) * unit * _threads_lcm()
+        unit = 32 * math.lcm(*range(1, max(1, torch.get_num_threads()) + 1))
+        padded = -(-t // unit) * unit
         if padded != t:
             pad = position_ids.new_zeros(*position_ids.shape[:-1], padded - t)
             position_ids = torch.cat([position_ids, pad], -1)
         return tuple(o[..., :t, :] for o in forward(x, position_ids, *args, **kwargs))
     return run
 
-
-def _threads_lcm() -> int:
-    import math
-    return math.lcm(*range(1, max(1, torch.get_num_threads()) + 1))
