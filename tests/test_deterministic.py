@@ -156,3 +156,25 @@ def test_selection_and_fingerprint():
         select("triton", "cpu", deterministic=True)
     assert fingerprint(False) is None
     assert fingerprint(True) == "mmserve-det1:batch+prefix_cache+chunking+preemption"
+
+
+def test_the_mode_is_installed_only_when_asked(tiny_model_dir):
+    """The default runner leaves the model's layers and encoder as they are; the deterministic one
+    swaps every linear layer, and encodes an image alone whatever its batch."""
+    from mmserve.generation.runner import ModelRunner
+    from mmserve.models.batch_invariant import DeterministicModeUnavailable, check_available
+    from mmserve.models.demo import render_image
+    from mmserve.models.llava import LlavaAdapter
+
+    plain = LlavaAdapter("tiny", tiny_model_dir)
+    runner = ModelRunner(plain, 1 << 20, 16)
+    assert runner.backend.name == "sdpa" and not runner.deterministic
+    assert not any("forward" in vars(m) for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
+    adapter = LlavaAdapter("tiny", tiny_model_dir)
+    runner = ModelRunner(adapter, 1 << 20, 16, deterministic=True)
+    assert runner.backend.name == "sdpa_deterministic"
+    assert all("forward" in vars(m) for m in adapter.model.modules() if isinstance(m, torch.nn.Linear))
+    pixels = adapter.pixel_values([render_image(c, "circle", seed=1) for c in ("red", "blue", "green")])
+    assert torch.equal(adapter.encode_images(pixels)[1], adapter.encode_images(pixels[1:2])[0])
+    with pytest.raises(DeterministicModeUnavailable, match="CPU only"):
+        check_available("cuda")
