@@ -19,8 +19,8 @@ zeros or not). What this does instead, for every sequence of the step (`invarian
   masked key's p is exactly 0);
 - **P·V** in fixed blocks of `KEY_BLOCK` keys aligned to absolute positions (a multiple of 16
   from position 0: the KV arena's blocks), one `bmm` of inner size 16 per block, and each block's
-  sum of p over its 16 keys; the blocks then summed in position order by a scan (`cumsum`:
-  sequential on the CPU). A block the query does not see contributes exact zeros, so it does not
+  sum of p over its 16 keys; the blocks then summed in position order, one add after the other.
+  A block the query does not see contributes exact zeros, so it does not
   matter how many of them a call holds; keys past a sequence's end read its last key again
   (finite: p = 0 times a never-written slot of the `torch.empty` arena could be NaN).
 
@@ -156,9 +156,12 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
     parts = torch.bmm(p, v.reshape(b * blocks, KEY_BLOCK, d)).view(b, blocks, r, d)
     sums = p.sum(-1).view(b, blocks, r)  # each block's sum of p: 16 numbers, one fixed pattern
-    # the blocks summed in position order, one after the other (a scan): a block the row does not
-    # see adds exact zeros
-    total, norm = parts.cumsum(1)[:, -1], sums.cumsum(1)[:, -1]
+    # the blocks summed in position order, one after the other: a block the row does not see adds
+    # exact zeros (a loop of adds, not `cumsum`: that one accumulates every prefix, in float64)
+    total, norm = parts[:, 0].clone(), sums[:, 0].clone()
+    for j in range(1, blocks):
+        total += parts[:, j]
+        norm += sums[:, j]
     return total / norm.unsqueeze(-1)
 
 
