@@ -1,8 +1,9 @@
 """`[runtime] deterministic = true` (issue 40): for every served family — LLaVA, Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, Idefics3, Gemma 3 — every generated token's logprobs are
 bit-identical with the caches on (a tiny arena: preemptions; 24-token steps: chunked prefills;
-concurrent requests; n = 2; a hit ending inside an image) and off with the request alone: 0
-tolerated flips. The negative control: with the mode off, the same check fails.
+concurrent requests; n = 2; a seeded sampled request; a hit ending inside an image; blocks
+restored from the Redis tier) and off with the request alone: 0 tolerated flips. The negative
+control: with the mode off, the same check fails.
 
 The workloads and the check: tests/deterministic_oracle.py."""
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.models.demo import build_untrained
-from tests.conftest import _demo_dir
-from tests.deterministic_oracle import Family, Oracle, workload
+from mmserve import SyncRuntime
+from mmserve.config import Config, ModelConfig
+from mmserve.models.demo import Q_COLOR, Q_SHAPE, build_untrained
+from tests.conftest import _demo_dir, on_device
+from tests.deterministic_oracle import Family, Oracle, Request, workload
+from tests.redis_server import RedisServer
 
 QWEN = ((96, 96), (112, 48), (40, 96), (72, 56), (32, 32))
 SQUARE = (None,) * 5
@@ -67,3 +71,24 @@ def test_the_same_check_fails_with_the_mode_off(tmp_path_factory):
     with oracle.runtimes(requests) as (on, off, want):
         assert oracle.differences(on, want, requests)
         assert on.chat_completion([{"role": "user", "content": "hi"}], max_tokens=1).system_fingerprint is None
+
+
+@pytest.mark.parametrize("model", ["demo", "q2"])
+def test_a_prefix_restored_from_the_redis_tier_is_bit_identical(model, tmp_path_factory):
+    """Replica A answers a conversation's first turn (its blocks are in a real redis-server before
+    the answer ends); replica B, which never saw it, answers the whole conversation from the
+    blocks it restores: every logprob equals the conversation's alone with the caches off."""
+    oracle = Oracle(family(model, tmp_path_factory))
+    conversation = Request((((0, 1), Q_COLOR), ((2,), Q_SHAPE)), 5)
+    base = on_device(Config(models=(ModelConfig(model, oracle.family.path, default=True),))) \
+        .replace(runtime={"deterministic": True})
+    with SyncRuntime(base.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
+        want = oracle.alone(off, conversation)
+    with RedisServer(tmp_path_factory.mktemp("redis"), None) as server:
+        tier = base.replace(shared_cache={"url": server.url, "secret": "deterministic-oracle",
+                                          "lookup_deadline_ms": 3000.0})
+        with SyncRuntime(tier) as a, SyncRuntime(tier) as b:
+            assert oracle.served(a, Request(conversation.turns[:1], conversation.tokens)) == [want[:1]]
+            assert oracle.served(b, conversation) == [[w] for w in want]
+            assert oracle.cached[-1] > 0
+            assert b.runtime.registry.require(model).prefix_cache.stats()["shared_restored_blocks"] > 0
