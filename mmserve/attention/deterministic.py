@@ -149,19 +149,19 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     b, r, d = q.shape
     n = k.shape[1]
     blocks = n // KEY_BLOCK
-    scores = torch.where(mask, torch.bmm(q, k.transpose(1, 2)) * scale, float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    p = pointwise(torch.exp, scores - top)  # [B, R, N]; exactly 0 where masked
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # a row seeing nothing: p = 0
+    p = pointwise(torch.exp, scores.sub_(top))  # [B, R, N]; exactly 0 where masked
     p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
     parts = torch.bmm(p, v.reshape(b * blocks, KEY_BLOCK, d)).view(b, blocks, r, d)
-    sums = p.sum(-1).view(b, blocks, r)  # each block's sum of p: 16 numbers, one fixed pattern
+    sums = p.sum(-1).view(b, blocks, r, 1)  # each block's sum of p: 16 numbers, one fixed pattern
+    acc = torch.cat([parts, sums], -1)  # [B, blocks, R, d + 1]
     # the blocks summed in position order, one after the other: a block the row does not see adds
     # exact zeros (a loop of adds, not `cumsum`: that one accumulates every prefix, in float64)
-    total, norm = parts[:, 0].clone(), sums[:, 0].clone()
+    total = acc[:, 0].clone()
     for j in range(1, blocks):
-        total += parts[:, j]
-        norm += sums[:, j]
+        total += acc[:, j]
+    total, norm = total[..., :d], total[..., d]
     return total / norm.unsqueeze(-1)
 
 
