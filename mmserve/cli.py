@@ -131,6 +131,8 @@ def _bench(args: argparse.Namespace) -> int:
         params = replace(params, preset=args.preset)
     if args.scenarios:
         params = replace(params, scenarios=args.scenarios)
+    if args.deterministic:
+        params = replace(params, deterministic=True)
     if args.random_weights and args.model_dir:
         print("mmserve bench: --random-weights builds the model; it does not apply to --model-dir", file=sys.stderr)
         return 2
@@ -261,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "test: seconds, for checking the machinery; gpu: llava-7b on cuda in bfloat16, 1/8/32 concurrent")
     b.add_argument("--quick", action="store_true", help="the same as --params quick: fewer tokens, levels and "
                    "turns (a few minutes)")
+    b.add_argument("--deterministic", action="store_true", help="mmserve runs with [runtime] deterministic = true "
+                   "(bit-exact answers whatever the cache, batch or chunking): the mode's cost, against a run without")
     b.add_argument("--scenarios", type=_scenario_list, help="run only these, comma-separated, in the usual order: "
                    "decode, concurrency, multiturn, same_image, three_images, peer, replicas, structured (default: all)")
     b.set_defaults(func=_bench)

@@ -62,6 +62,7 @@ BAD = {  # section -> [(key, bad value), ...]: every key of every section, some 
                 ("load_timeout_s", 0), ("load_timeout_s", "600"), ("attention_backend", "flash"),
                 ("attention_backend", "Triton"), ("cuda_graphs", "yes"), ("cuda_graphs", 1),
                 ("gc_freeze", "no"), ("gc_freeze", 0), ("overlap", "yes"), ("overlap", 1),
+                ("deterministic", "yes"), ("deterministic", 1),
                 ("graph_token_buckets", [0]), ("graph_token_buckets", 64),
                 ("graph_token_buckets", [16, True]), ("graph_token_buckets", [1.5]),
                 ("graph_image_buckets", [0]), ("graph_image_buckets", 8), ("graph_image_buckets", [2, True])],

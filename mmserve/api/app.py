@@ -254,6 +254,8 @@ async def _sse(stream: ChatStream, first: Delta, include_usage: bool):
     def event(delta: dict, finish_reason: str | None = None, index: int = 0, tokens=None) -> str:
         body = openai_json.chunk(stream.id, stream.model, created, delta, finish_reason, index,
                                  tokens if want_logprobs else None, ids)
+        if stream.system_fingerprint:  # deterministic mode: every chunk says so, as OpenAI's do
+            body["system_fingerprint"] = stream.system_fingerprint
         if continuous:  # vLLM's continuous_usage_stats: the usage so far on every chunk
             body["usage"] = openai_json.running_usage(stream.usage_so_far)
         return openai_json.sse(body)

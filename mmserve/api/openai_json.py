@@ -32,7 +32,7 @@ def completion(c: ChatCompletion, ids: bool = False) -> dict:
                      "finish_reason": ch.finish_reason, "logprobs": logprobs(ch.logprobs, ids)}
                     for ch in c.choices],
         "usage": usage(c.usage),
-    }
+    } | ({"system_fingerprint": c.system_fingerprint} if c.system_fingerprint else {})
 
 
 def message(ch: Choice) -> dict:

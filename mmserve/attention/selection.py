@@ -9,14 +9,25 @@ import torch
 from .backend import NAMES, AttentionBackend, AttentionBackendUnavailable, SdpaBackend
 
 
-def select(name: str, device: torch.device | str) -> AttentionBackend:
+def select(name: str, device: torch.device | str, deterministic: bool = False) -> AttentionBackend:
     """The backend `[runtime] attention_backend = name` gives on `device`: "sdpa"; "triton" (CUDA,
     or the CPU under Triton's interpreter only); "auto" (triton on CUDA when it imports, else sdpa).
 
     "triton" on the CPU without the interpreter is an error, not a quiet fall-back to sdpa: a
     configuration that names a backend gets that backend or a reason, and a test that means to
-    exercise the kernels can never pass by running the reference instead."""
+    exercise the kernels can never pass by running the reference instead.
+
+    `deterministic` (`[runtime] deterministic`): the sdpa path's batch-invariant variant
+    (`deterministic.DeterministicSdpaBackend`) for "sdpa" and "auto"; "triton" has no such
+    variant yet and is refused."""
     device = torch.device(device)
+    if deterministic:
+        if name not in ("auto", "sdpa"):
+            raise AttentionBackendUnavailable(
+                f"[runtime] deterministic = true runs the sdpa path's deterministic variant; the {name!r} backend "
+                "has none yet: use attention_backend = \"sdpa\" or \"auto\"")
+        from .deterministic import DeterministicSdpaBackend
+        return DeterministicSdpaBackend()
     if name == "sdpa":
         return SdpaBackend()
     if name == "auto":

@@ -104,6 +104,8 @@ class Bench:
         p = self.params
         config = bench_config(self.model_dir, p.torch_threads, prefix=prefix, encoder=encoder, device=p.device,
                               dtype=p.dtype, kv_budget_bytes=p.kv_budget_bytes())
+        if p.deterministic:  # every mmserve runtime and server of the run in the bit-exact mode
+            config = config.replace(runtime={"deterministic": True})
         return config.replace(**sections) if sections else config
 
     @asynccontextmanager

@@ -24,6 +24,7 @@ class BenchParams:
     dtype: str = "float32"
     random_weights: bool = False  # build the preset as a random-weights directory (always: llava-7b, qwen2-vl-7b)
     kv_budget_mib: int = 0  # mmserve's KV arena; 0: CPU_KV_BUDGET_MIB on the CPU, CUDA_KV_BUDGET_MIB on CUDA
+    deterministic: bool = False  # mmserve's [runtime] deterministic (bench --deterministic): the mode's cost
     # 1. single-stream decode
     decode_tokens: int = 64
     decode_repeats: int = 3

@@ -90,6 +90,7 @@ class RuntimeConfig:
     graph_image_buckets: tuple[int, ...] = ()  # views a fixed-shape vision tower is padded to (vision_step)
     gc_freeze: bool = True  # after a model loads, its objects leave the garbage collector's walks (runtime.gc_heap)
     overlap: bool = True  # step n+1 built and queued while step n runs (actors.step_overlap); false: serial steps
+    deterministic: bool = False  # every logit a function of its request alone (models.batch_invariant); CPU only
 
     def __post_init__(self) -> None:
         w = "[runtime]"
@@ -103,6 +104,7 @@ class RuntimeConfig:
         object.__setattr__(self, "graph_image_buckets", check_buckets(w, "graph_image_buckets", self.graph_image_buckets))
         check_bool(w, "gc_freeze", self.gc_freeze)
         check_bool(w, "overlap", self.overlap)
+        check_bool(w, "deterministic", self.deterministic)
         if not isinstance(self.device, str) or not DEVICE.fullmatch(self.device):
             fail(w, "device", "'cpu', 'cuda', 'cuda:N' or 'mps'", self.device)
         check_choice(w, "dtype", self.dtype, ("auto", *DTYPES))

@@ -41,6 +41,7 @@ from mmserve.attention import AttentionBackend, ModelFeatures, PagedMetadata, se
 from mmserve.generation.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
 from mmserve.generation.mixed_step import MixedBuffers, token_buckets
 from mmserve.generation.write_fence import WriteFence
+from mmserve.models import batch_invariant
 from mmserve.models.paged import KVArena, PagedBatch, Segment
 from mmserve.models.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, \
     step_positions, use_paged_attention
@@ -83,10 +84,14 @@ class ModelRunner:
 
     def __init__(self, adapter, kv_budget_bytes: int, block_size: int, backend: str | AttentionBackend = "auto",
                  max_batch: int = 256, cuda_graphs: bool = True, max_tokens: int = 2048,
-                 token_buckets: Sequence[int] | None = None):
+                 token_buckets: Sequence[int] | None = None, deterministic: bool = False):
         self.adapter = adapter
         self.device = adapter.device
-        self.backend = select(backend, self.device) if isinstance(backend, str) else backend
+        self.deterministic = deterministic  # [runtime] deterministic: batch-invariant ops (models.batch_invariant)
+        if deterministic:
+            batch_invariant.check_available(self.device)
+            batch_invariant.install(adapter)
+        self.backend = select(backend, self.device, deterministic) if isinstance(backend, str) else backend
         features = ModelFeatures.from_config(adapter.config)
         self.backend.check(features)
         static = self.backend.capturable

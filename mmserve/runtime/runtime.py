@@ -40,6 +40,7 @@ from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.routing_keys import routing_keys
 from mmserve.runtime.sizing import context_tokens, kv_budget
+from mmserve.models.batch_invariant import fingerprint
 from mmserve.models.paged import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
 from mmserve.runtime.supervisor import Health, Supervisor, not_serving_yet
@@ -170,7 +171,8 @@ class Runtime:
         budget = kv_budget(self.config, rt.device, block_bytes, context_tokens(self.config, adapter))
         runner = ModelRunner(adapter, budget.value, kv.block_size, rt.attention_backend,
                              max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs,
-                             max_tokens=gen.max_batched_tokens, token_buckets=rt.graph_token_buckets or None)
+                             max_tokens=gen.max_batched_tokens, token_buckets=rt.graph_token_buckets or None,
+                             deterministic=rt.deterministic)
         runner.kv_budget_from = budget.why  # for the load log line
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
         generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
@@ -373,7 +375,8 @@ class Runtime:
                       model=request.model,
                       images=request.num_images, messages=len(request.messages), stream=request.stream)
         self.intake.inbox_send.send_nowait(Submit(handle))
-        return ChatStream(handle, receive, self.config.limits.request_timeout_s)
+        return ChatStream(handle, receive, self.config.limits.request_timeout_s,
+                          fingerprint(self.config.runtime.deterministic))
 
     def reject(self, error: MMServeError, request_id: str | None, client_request_id: str | None = None,
                model: str | None = None) -> None:

@@ -53,6 +53,7 @@ class ChatCompletion:
     created: int
     choices: tuple[Choice, ...]
     usage: Usage
+    system_fingerprint: str | None = None  # deterministic mode's (models.batch_invariant.fingerprint)
 
     @property
     def text(self) -> str:
@@ -72,8 +73,10 @@ class ChatStream:
     """The deltas of one request. Closing it (or leaving `async with`, or dropping it) aborts the
     request at the generator's next step; it never blocks."""
 
-    def __init__(self, handle: RequestHandle, receive: trio.MemoryReceiveChannel, timeout_s: float = math.inf):
+    def __init__(self, handle: RequestHandle, receive: trio.MemoryReceiveChannel, timeout_s: float = math.inf,
+                 system_fingerprint: str | None = None):
         self.handle = handle
+        self.system_fingerprint = system_fingerprint  # what the answer's bits are invariant over (None: default mode)
         self.deadline = handle.created + timeout_s
         self._receive = receive
         self._done = False
@@ -241,4 +244,4 @@ async def complete(stream: ChatStream) -> ChatCompletion:
                            tuple(ToolCall(c[0], c[1], "".join(c[2])) for _, c in sorted(calls[i].items())),
                            prompt[i])
                     for i in range(n))
-    return ChatCompletion(stream.id, stream.model, int(time.time()), choices, usage)
+    return ChatCompletion(stream.id, stream.model, int(time.time()), choices, usage, stream.system_fingerprint)

@@ -1,0 +1,202 @@
+"""The `sdpa` path's deterministic variant (`[runtime] deterministic = true`): paged attention whose
+result for a query is a function of that query and the keys it sees alone — whatever else shares
+its call (other sequences, other tokens of its chunk), wherever its chunk starts, and whether its
+keys were written by an earlier step (a prefix hit, a resumed sequence) or by this one.
+
+Why SDPA is not: its CPU kernel computes a block of queries against a block of keys with a GEMM
+whose per-element reduction follows the block's shape (the chunk's length picks the query split,
+a tail block takes another kernel), and reduces P·V over all keys at once (MKL blocks that
+reduction by the key count: measured, a query's output changes when the keys run from 300 to 304,
+zeros or not). What this does instead, for every sequence of the step (`invariant_attention`):
+
+- **scores**: one `bmm` of the query rows (a KV head's GQA group x tokens, padded to a multiple
+  of `ROW_PAD` rows) against the keys from the first key's block boundary (padded to a multiple
+  of `KEY_BLOCK`), the reduction over head_dim only: measured on this torch, an element's bits
+  depend on neither the row count, the row's position, the key count nor the batch
+  (`tests/test_deterministic.py` pins it);
+- **softmax**: masked keys (outside the causal/window/span interval) are -inf, the row max is
+  exact whatever the order, p = exp(s - max) is elementwise on the vector path (`pointwise`; a
+  masked key's p is exactly 0);
+- **P·V** in fixed blocks of `KEY_BLOCK` keys aligned to absolute positions (a multiple of 16
+  from position 0: the KV arena's blocks), one `bmm` of inner size 16 per block, and each block's
+  sum of p over its 16 keys; the blocks then summed in position order, one add after the other.
+  A block the query does not see contributes exact zeros, so it does not
+  matter how many of them a call holds; keys past a sequence's end read its last key again
+  (finite: p = 0 times a never-written slot of the `torch.empty` arena could be NaN).
+
+Sequences whose rows pad to the same count share one batched call (a step's decode tokens: one
+call); the host-side layout of a step's calls is built once and read by every layer. The cost —
+rows padded to 4, one gather of every sequence's keys and values a layer (the default reads them
+in place), many small P·V products — is in `docs/performance.md`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .backend import AttentionBackend, PagedMetadata
+
+KEY_BLOCK = 16
+"""Keys per block of the P·V reduction (absolute positions [16 j, 16 j + 16)): the default KV
+block size, and the inner size at which the CPU's batched GEMM was measured invariant."""
+
+ROW_PAD = 4
+"""Query rows of a call are padded to a multiple of this: MKL's GEMM computes rows in panels of 4,
+a remainder (and a lone row: a GEMV) with other kernels."""
+
+
+class DeterministicSdpaBackend(AttentionBackend):
+    """`invariant_attention` over the paged arena (see the module docstring). Sequences with the
+    same padded row count are computed in one batched call (a step's decode tokens: one call)."""
+
+    name = "sdpa_deterministic"
+    supports = frozenset({"gqa", "mrope_positions", "sliding_window", "bidirectional_spans"})
+
+    def __init__(self):
+        self._plans: tuple[PagedMetadata | None, dict] = (None, {})  # the step's layouts, per (window, group)
+
+    def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
+                out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        heads, head_dim = query.shape[1], query.shape[2]
+        kv_heads = key_cache.shape[2]
+        group = heads // kv_heads
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        out = torch.empty_like(query) if out is None else out
+        # [kv_heads, tokens, group, d]: a KV head's query rows in one place
+        q_heads = query.view(-1, kv_heads, group, head_dim).transpose(0, 1)
+        out_heads = out.view(-1, kv_heads, group, head_dim)
+        kbuf = key_cache.view(-1, head_dim)  # row slot * kv_heads + h: one KV head's key of one slot
+        vbuf = value_cache.view(-1, head_dim)
+        for call in self._plan(meta, window, group, kv_heads, query.device):
+            s_, rows, width = call.seqs, call.rows, call.width
+            # keys and values gathered in one copy straight into [kv_heads * S, width, d] (batch index
+            # h * S + j); keys past a sequence's end repeat its last slot (finite: never seen, p = 0)
+            k = kbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
+            v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
+            q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
+            o = invariant_attention(q, k, v, call.mask, scale)  # [kv_heads * S, rows, d]
+            o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
+            out_heads[call.real_token, :, call.real_head] = o
+        return out
+
+    def _plan(self, meta: PagedMetadata, window: int | None, group: int, kv_heads: int, device) -> list["_Call"]:
+        """The step's calls for a layer of `window`, built once per step (every layer reads them)."""
+        step, plans = self._plans
+        if step is not meta:
+            plans = {}
+            self._plans = (meta, plans)
+        key = (window, group)
+        if key not in plans:
+            offsets = np.concatenate([[0], np.cumsum(meta.lengths)])
+            q_ends = None if meta.q_ends is None else meta.q_ends.cpu().numpy()
+            calls: dict[int, list[int]] = {}
+            for i, n in enumerate(meta.lengths):
+                calls.setdefault(_pad(n * group, ROW_PAD), []).append(i)
+            plans[key] = [_Call(meta, seqs, rows, group, window, offsets, q_ends, kv_heads, device)
+                          for rows, seqs in calls.items()]
+        return plans[key]
+
+
+class _Call:
+    """One batched call's layout, built on the host once a step: sequences `seqs` (each `rows`
+    padded query rows), each read from its first key's block boundary over `width` keys; as
+    device tensors: the arena rows to read, each row's token and query head, the mask, the real
+    rows."""
+
+    def __init__(self, meta: PagedMetadata, seqs: list[int], rows: int, group: int, window: int | None,
+                 offsets: np.ndarray, q_ends: np.ndarray | None, kv_heads: int, device):
+        s_ = len(seqs)
+        first = np.array([_first_key(meta.starts[i], window) // KEY_BLOCK * KEY_BLOCK for i in seqs])
+        ends = [_key_ends(meta, i, offsets, q_ends) for i in seqs]
+        width = max(_pad(int(e.max()) - f, KEY_BLOCK) for e, f in zip(ends, first))
+        keys = first[:, None] + np.arange(width)[None, :]  # [S, width] absolute positions
+        slots = np.zeros((s_, width), dtype=np.int64)
+        token = np.zeros((s_, rows), dtype=np.int64)  # row r of sequence j: token r // group ...
+        head = np.zeros((s_, rows), dtype=np.int64)  # ... and query head r % group of a KV head
+        real = np.zeros((s_, rows), dtype=bool)
+        lo = np.full((s_, rows), 1 << 62, dtype=np.int64)  # padding rows see no key
+        hi = np.zeros((s_, rows), dtype=np.int64)
+        for j, i in enumerate(seqs):
+            start, n = meta.starts[i], meta.lengths[i]
+            table = np.asarray(meta.tables[i], dtype=np.int64)
+            pos = np.minimum(keys[j], start + n - 1)  # past the end: the last key again
+            slots[j] = table[pos // meta.block_size] * meta.block_size + pos % meta.block_size
+            r = np.arange(n * group)
+            token[j, :n * group] = offsets[i] + r // group
+            head[j, :n * group] = r % group
+            real[j, :n * group] = True
+            lo[j, :n * group] = start + r // group - window + 1 if window else 0
+            hi[j, :n * group] = np.repeat(ends[j], group)
+        mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
+        self.seqs, self.rows, self.width = s_, rows, width
+        # the arena's [slots * kv_heads, d] rows to read, heads first: [kv_heads, S, width]
+        self.rows_read = as_tensor(slots[None] * kv_heads + np.arange(kv_heads)[:, None, None])
+        self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
+        self.real_token, self.real_head = self.token[self.real], self.head[self.real]
+        self.mask = torch.from_numpy(mask).to(device).repeat(kv_heads, 1, 1)  # batch index h * S + j
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """q [B, R, d] (R a multiple of `ROW_PAD`), k/v [B, N, d] (N a multiple of `KEY_BLOCK`, key j at
+    an absolute position ≡ j mod KEY_BLOCK, finite), mask [B, R, N] (True: the row sees the key)
+    -> [B, R, d]; a row that sees no key gives NaN (padding). Every reduction has a fixed shape
+    (the module docstring)."""
+    b, r, d = q.shape
+    n = k.shape[1]
+    blocks = n // KEY_BLOCK
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # a row seeing nothing: p = 0
+    p = pointwise(torch.exp, scores.sub_(top))  # [B, R, N]; exactly 0 where masked
+    p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
+    parts = torch.bmm(p, v.reshape(b * blocks, KEY_BLOCK, d)).view(b, blocks, r, d)
+    sums = p.sum(-1).view(b, blocks, r, 1)  # each block's sum of p: 16 numbers, one fixed pattern
+    acc = torch.cat([parts, sums], -1)  # [B, blocks, R, d + 1]
+    # the blocks summed in position order, one after the other: a block the row does not see adds
+    # exact zeros (a loop of adds, not `cumsum`: that one accumulates every prefix, in float64)
+    total = acc[:, 0].clone()
+    for j in range(1, blocks):
+        total += acc[:, j]
+    total, norm = total[..., :d], total[..., d]
+    return total / norm.unsqueeze(-1)
+
+
+def _pad(n: int, to: int) -> int:
+    return max(to, -(-n // to) * to)
+
+
+def _first_key(start: int, window: int | None) -> int:
+    """The first key any token of a chunk starting at `start` sees."""
+    return max(0, start - window + 1) if window else 0
+
+
+def _key_ends(meta: PagedMetadata, i: int, offsets: np.ndarray, q_ends: np.ndarray | None) -> np.ndarray:
+    """Each new token's keys end (exclusive): its position + 1, or its bidirectional span's end."""
+    start, n = meta.starts[i], meta.lengths[i]
+    if q_ends is None:
+        return np.arange(start + 1, start + n + 1)
+    return q_ends[offsets[i]:offsets[i] + n].astype(np.int64)
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """`fn` (an elementwise op) of `x`, with every element on the op's vectorized path. ATen's CPU
+    loops compute the last `numel % 32` elements of a thread's chunk with the scalar function,
+    whose last bit can differ from the vector one (measured: silu, tanh-gelu, quick-gelu, cos of a
+    row of 344 elements differ between a call of 1 row and of 16): so a row's result would follow
+    the number of rows. Padded with zeros to a multiple of 32 x lcm(1..threads) elements, every
+    thread's chunk is whole vectors."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    unit = _pointwise_unit(torch.get_num_threads())
+    padded = -(-n // unit) * unit
+    if padded != n or not flat.is_contiguous():
+        flat = torch.cat([flat, flat.new_zeros(padded - n)])
+    return fn(flat)[:n].view(x.shape)
+
+
+def _pointwise_unit(threads: int) -> int:
+    return 32 * math.lcm(*range(1, max(1, threads) + 1))

@@ -1,0 +1,142 @@
+"""Batch-invariant operations for `[runtime] deterministic = true`: installed on one loaded model
+(`install`), so a token's every value — hidden states, K/V, logits — is a function of its
+request alone, whatever other rows share the call. The default mode never runs any of it.
+
+Measured on this CPU build (torch 2.13, MKL 2024.2, oneDNN 3.12, AVX-512), what varies and how it
+is fixed (`tests/test_deterministic.py` pins each):
+
+- **linear layers**: MKL's sgemm (torch's `F.linear`) gives a row one of three results by the
+  call's row count: M = 1 is a GEMV, the rows of M's last (M mod 4) take a tail kernel, the rest
+  the main one. oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`, its brgemm over a
+  fixed K blocking) gives every row of any call of M >= 2 rows the same bits (M from 2 to 2047,
+  any position, 1 or 2 threads, every layer shape of the served families): every `nn.Linear` of
+  the model runs through it, a single row padded to two.
+- **elementwise transcendental ops** (the MLP's activation, the rotary cos/sin): ATen's CPU loops
+  compute the tail of a thread's chunk with the scalar function, a different last bit than the
+  vector one, so a row's activation follows the call's row count: they run padded to whole
+  vectors (`attention.deterministic.pointwise`).
+- norms (RMSNorm, LayerNorm), softmax and log-softmax reduce each row on its own: measured
+  invariant from 1 to 1,000 rows, left as they are. Attention: `attention.deterministic`.
+- **vision towers** encode one image per call (`encode_images` per item): an image's encoder
+  output never depends on which images share its call (convolutions and attention over a batch
+  of images are not measured invariant; one image at a time they run the same shapes every time).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from mmserve.attention.deterministic import pointwise
+from mmserve.errors import CheckpointError
+
+FINGERPRINT = "mmserve-det1"
+"""`system_fingerprint` of an answer in deterministic mode: the version of the construction."""
+
+INVARIANT_OVER = ("batch", "prefix_cache", "chunking", "preemption")
+"""What a deterministic answer does not depend on (the fingerprint names them)."""
+
+_INSTALLED = "_mmserve_batch_invariant"
+
+
+class DeterministicModeUnavailable(CheckpointError):
+    """`[runtime] deterministic = true` where its operations are not built (not the CPU, no oneDNN)."""
+
+    code = "deterministic_mode_unavailable"
+
+
+def fingerprint(deterministic: bool) -> str | None:
+    """The responses' `system_fingerprint`: the mode and what it is invariant over (None: default mode)."""
+    return f"{FINGERPRINT}:{'+'.join(INVARIANT_OVER)}" if deterministic else None
+
+
+def check_available(device: torch.device | str) -> None:
+    """Refuses deterministic mode where its operations were neither built nor tested."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise DeterministicModeUnavailable(
+            f"[runtime] deterministic = true runs on the CPU only (batch-invariant linear layers through oneDNN); "
+            f"not on {device.type!r} yet")
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        raise DeterministicModeUnavailable("[runtime] deterministic = true needs torch built with oneDNN (mkldnn)")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout (`invariant_linear` takes
+    it): unpacked, oneDNN reorders it at every call (measured 100x slower for one row)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+
+
+PACKED_FOR_ROWS = 16
+"""The batch-size hint the weights are packed for (the same layout, hence the same bits, for any M)."""
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` whose every row's bits do not depend on the other rows of `x`;
+    `weight` as `pack` returns it (or plain: the same bits, slower)."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    m = rows.shape[0]
+    if m < 2:  # one row takes oneDNN's GEMV path: padded to two, it takes the path every call takes
+        rows = torch.cat([rows, rows.new_zeros(2 - m, rows.shape[1])])
+    elif not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return out[:m].view(*shape[:-1], out.shape[-1])
+
+
+def install(adapter) -> None:
+    """Makes `adapter`'s model batch-invariant (the module docstring), once: every `nn.Linear`,
+    the language model's activations and rotary embeddings, and its `encode_images` (one image a
+    call)."""
+    model = adapter.model
+    if getattr(model, _INSTALLED, False):
+        return
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            # a copy of the weight in oneDNN's layout (the module's own stays: tied embeddings read it)
+            module._mmserve_packed = pack(module.weight)
+            module.forward = types.MethodType(_linear_forward, module)
+    for module in adapter.language_model.modules():
+        act = getattr(module, "act_fn", None)
+        if isinstance(act, nn.Module) and not getattr(act, _INSTALLED, False):
+            act.forward = _padded(act.forward)
+            setattr(act, _INSTALLED, True)
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            module.forward = _padded_rotary(module.forward)
+    encode = adapter.encode_images
+    adapter.encode_images = lambda items: one_at_a_time(encode, items)
+    setattr(model, _INSTALLED, True)
+
+
+def one_at_a_time(encode, items: Sequence) -> list[torch.Tensor]:
+    """`encode(items)` one item per call: an image's output never follows its batch."""
+    return [out for item in items for out in encode([item])]
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return invariant_linear(x, self._mmserve_packed, self.bias)
+
+
+def _padded(forward):
+    return lambda x: pointwise(forward, x)
+
+
+def _padded_rotary(forward):
+    """A rotary embedding's forward (x, position_ids, ...) -> (cos, sin) [..., T, d], computed over
+    the positions padded to whole vectors (its cos and sin are elementwise over [..., T, d])."""
+    def run(x, position_ids, *args, **kwargs):
+        t = position_ids.shape[-1]
+        unit = 32 * math.lcm(*range(1, max(1, torch.get_num_threads()) + 1))
+        padded = -(-t // unit) * unit
+        if padded != t:
+            pad = position_ids.new_zeros(*position_ids.shape[:-1], padded - t)
+            position_ids = torch.cat([position_ids, pad], -1)
+        return tuple(o[..., :t, :] for o in forward(x, position_ids, *args, **kwargs))
+    return run
+
