@@ -16,7 +16,7 @@ def buffers(device: str) -> DecodeBuffers:
 
 def test_on_the_cpu_fills_need_no_event():
     b = buffers("cpu")
-    assert b._copied is None
+    assert all(s._copied is None for s in b._sets)  # nothing to wait for on the CPU
     b.fill([5, 6], [[0, 1], [2]], [5, 2], None, 2)
     b.fill([7], [[3]], [0], None, 1)
     assert b.ids[:2].tolist() == [7, 6] and b.slots[:1].tolist() == [12]
@@ -27,6 +27,7 @@ def test_on_cuda_each_fill_waits_for_the_copies_of_the_one_before():
     b = buffers("cuda")
     for n in range(1, 40):  # fills back to back, no transfer back between them (no step samples)
         b.fill([n] * 2, [[0, 1], [2]], [n % 8, 1], None, 2)
-        assert b._pending
-    b._wait_copies()
-    assert not b._pending and b.ids[:2].tolist() == [39, 39]
+        assert any(s._pending for s in b._sets)  # this fill's copies recorded an event on its set
+    for s in b._sets:  # a fill waits only for its own set's previous copies (double-buffered)
+        s.wait()
+    assert not any(s._pending for s in b._sets) and b.ids[:2].tolist() == [39, 39]

@@ -116,6 +116,11 @@ def _beat_hook(module, args) -> None:
     heartbeat()
 
 
+def idle() -> bool:
+    """No step queued or running on the compute thread."""
+    return all(f.done() for f in list(_unfinished))
+
+
 def busy_owner() -> str | None:
     """The owner of the step now running on the compute thread (None when idle or unnamed)."""
     return _busy_owner

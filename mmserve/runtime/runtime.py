@@ -62,6 +62,9 @@ def configure_device(device: str) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+STEPS_SETTLE_S = 1.0
+"""How long a drain waits, once its requests are done, for the compute thread's last steps."""
+
 class Runtime:
     """A running mmserve: actors, models and the supervisor, inside the caller's trio run."""
 
@@ -152,6 +155,9 @@ class Runtime:
         with trio.move_on_after(grace):
             while self._in_flight():
                 await trio.sleep(0.02)
+        with trio.move_on_after(STEPS_SETTLE_S):  # a step launched ahead of an answer that has ended
+            while not compute.idle():  # (overlap) returns, rather than being abandoned by the close
+                await trio.sleep(0.005)
         cut = self._in_flight()
         for handle in cut:
             handle.fail(ServiceUnavailable("the server is shutting down and this request did not finish within "

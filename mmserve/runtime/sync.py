@@ -137,5 +137,9 @@ class SyncRuntime:
     def detokenize(self, body: dict) -> dict:
         return self._await(self._rt.detokenize, body)
 
+    def routing_keys(self, body: dict) -> dict:
+        """A chat request's keys for KV-aware routers (see Runtime.routing_keys)."""
+        return self._await(self._rt.routing_keys, body)
+
     def tokenizer_info(self, model: str | None = None) -> dict:
         return self._await(self._rt.tokenizer_info, model)
