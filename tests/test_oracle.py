@@ -183,15 +183,21 @@ def test_sixteen_concurrent_conversations_in_a_tiny_arena_preempt_and_stay_exact
     # preempted sequences get blocks of theirs back from the cache (a resume) when no refill evicted
     # them first, which the order of the 16 requests' steps decides: one run in about ten shows none
     # (each run is exact regardless); two runs without a single resume would be a regression
-    for attempt in range(2):
+    # (on a loaded machine the 16 may also reach the generators too far apart to preempt at all:
+    # every run is checked exact; one of three must have preempted and resumed)
+    preempted = False
+    for attempt in range(3):
         with SyncRuntime(tiny_arena(three_model_config)) as on:
-            if _sixteen_in_a_tiny_arena(on, off):
+            did_preempt, resumed = _sixteen_in_a_tiny_arena(on, off)
+            preempted |= did_preempt
+            if did_preempt and resumed:
                 return
-    pytest.fail("two runs in a tiny arena, and no preempted sequence got a block back from the cache")
+    assert preempted, "the arena was large enough: nothing was preempted"
+    pytest.fail("three runs in a tiny arena, and no preempted sequence got a block back from the cache")
 
 
 def _sixteen_in_a_tiny_arena(on, off) -> bool:
-    """Runs the 16 at once, checks every answer and that preemptions happened; whether a
+    """Runs the 16 at once and checks every answer; whether preemptions happened, and whether a
     preempted sequence resumed blocks from the cache."""
     images = [render_image(COLORS[i % 6], SHAPES[i % 3], BACKGROUNDS[i % 3], seed=1300 + i, size=SIZES[i % len(SIZES)])
               for i in range(16)]
@@ -211,6 +217,6 @@ def _sixteen_in_a_tiny_arena(on, off) -> bool:
     assert not run_concurrently(one, [(i,) for i in range(len(convos))]), "a request never ended"
     assert got == expected
     generators = [on.runtime.registry.require(n).generator for n in MODELS]
-    assert sum(g.preemptions for g in generators) > before, "the arena was large enough: nothing was preempted"
     trio.from_thread.run(assert_nothing_held, on.runtime, trio_token=on._token)
-    return sum(g.resumed_blocks for g in generators) > resumed_before
+    return (sum(g.preemptions for g in generators) > before,
+            sum(g.resumed_blocks for g in generators) > resumed_before)
