@@ -10,6 +10,7 @@ Tests wait on what the server saw with `wait(predicate)`, never on a clock.
 
 from __future__ import annotations
 
+import functools
 import io
 import select
 import ssl
@@ -45,8 +46,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif name == "loop":
             self._send(302, b"", headers={"Location": "/loop"})
         elif name == "clip.mp4":  # a 2 s video (tests/test_video_runtime.py)
-            from mmserve.models.demo.render_video import encode_mp4, render_clip
-            self._send(200, encode_mp4(render_clip("red", "circle", True, frames=16), fps=8), "video/mp4")
+            self._send(200, _clip(), "video/mp4")
         elif name == "text":
             self._send(200, b"hello, this is not an image", "text/plain")
         elif name == "big":
@@ -157,3 +157,10 @@ class ImageServer:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+@functools.cache
+def _clip() -> bytes:
+    """The 2 s clip, encoded once: every fetch gets the very same bytes (tests compare sizes)."""
+    from mmserve.models.demo.render_video import encode_mp4, render_clip
+    return encode_mp4(render_clip("red", "circle", True, frames=16), fps=8)
