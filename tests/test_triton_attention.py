@@ -255,6 +255,8 @@ def compile_for_h100() -> dict[str, int]:
     return shared
 
 
+# slow (9 s): a GPU session's scripts/gpu-run.sh compiles and runs the kernels for real
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU, reason="on a GPU every other test here compiles and runs the kernels")
 def test_the_kernels_compile_for_an_h100(tmp_path):
     """The interpreter runs a kernel's Python, so it cannot see what only the compiler refuses
