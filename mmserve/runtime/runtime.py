@@ -155,14 +155,14 @@ class Runtime:
         with trio.move_on_after(grace):
             while self._in_flight():
                 await trio.sleep(0.02)
-        with trio.move_on_after(STEPS_SETTLE_S):  # a step launched ahead of an answer that has ended
-            while not compute.idle():  # (overlap) returns, rather than being abandoned by the close
-                await trio.sleep(0.005)
         cut = self._in_flight()
         for handle in cut:
             handle.fail(ServiceUnavailable("the server is shutting down and this request did not finish within "
                                            f"its grace period ({grace:g} s); retry", code="shutdown",
                                            retry_after_s=5.0))
+        with trio.move_on_after(STEPS_SETTLE_S):  # a step launched ahead of an answer that has ended
+            while not compute.idle():  # (overlap) returns, rather than being abandoned by the close
+                await trio.sleep(0.005)
         self.drained = {"in_flight_at_drain": len(at_start), "finished_in_grace": len(at_start) - len(cut),
                         "cut": len(cut)}
 
