@@ -22,13 +22,20 @@ def gauge(server, state: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def poll(predicate, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 def test_silent_connections_beyond_the_cap_wait_in_the_backlog_and_are_served_as_slots_free(tiny_config):
     config = tiny_config.replace(server={"max_connections": 8, "keep_alive_timeout_s": 1.0})
     with ServerThread(config) as server:
         assert gauge(server, "limit") == 8
         silent = [connect(server) for _ in range(20)]  # the kernel completes all 20 handshakes
-        time.sleep(0.3)
-        assert gauge(server, "open") == 8  # the server took only 8 of them
+        poll(lambda: gauge(server, "open") == 8, "the server to take 8 of them")
+        assert gauge(server, "open") == 8  # and only 8 (the /health below waits: it was not a ninth)
         t0 = time.monotonic()
         health = connect(server)
         health.sendall(raw_request("GET", "/health"))
@@ -42,10 +49,7 @@ def test_silent_connections_beyond_the_cap_wait_in_the_backlog_and_are_served_as
             assert sock.recv(1) == b""
             sock.close()
         health.close()
-        deadline = time.monotonic() + 5
-        while gauge(server, "open") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gauge(server, "open") == 0  # every slot given back
+        poll(lambda: gauge(server, "open") == 0, "every slot given back")
 
 
 def test_a_request_on_an_accepted_connection_is_unaffected_by_the_backlog(tiny_config):
@@ -55,7 +59,7 @@ def test_a_request_on_an_accepted_connection_is_unaffected_by_the_backlog(tiny_c
         kept.sendall(raw_request("GET", "/health"))
         assert Reader(kept).response()[0] == 200
         silent = [connect(server) for _ in range(5)]  # the second slot, then the backlog
-        time.sleep(0.2)
+        poll(lambda: gauge(server, "open") == 2, "the second slot taken")
         t0 = time.monotonic()
         kept.sendall(raw_request("GET", "/health"))  # the connection already held goes on at once
         assert Reader(kept).response()[0] == 200
