@@ -6,10 +6,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from mmserve.config.sections import ModelConfig
+from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
@@ -97,17 +94,18 @@ def known_builtins() -> tuple[str, ...]:
     return tuple(sorted(p.name for p in DEMO_CHECKPOINTS.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))))
 
 
-def check_model_path(m: "ModelConfig") -> None:
-    """That a model's checkpoint exists: a directory, or a known `builtin:NAME` (config files only;
-    a ModelConfig built in code may name a missing directory, which the registry reports at load)."""
-    where = f"[[models]] {m.name!r}"
-    if m.path.startswith(BUILTIN_PREFIX):
+def check_model_path(name: str, path: str) -> None:
+    """That model `name`'s checkpoint `path` exists: a directory, or a known `builtin:NAME` (config
+    files only; a ModelConfig built in code may name a missing directory, which the registry reports
+    at load). Plain values, not the ModelConfig: the sections import these checks, never the reverse."""
+    where = f"[[models]] {name!r}"
+    if path.startswith(BUILTIN_PREFIX):
         known = known_builtins()
-        if m.path[len(BUILTIN_PREFIX):] not in known:
+        if path[len(BUILTIN_PREFIX):] not in known:
             builtins = ", ".join(repr(BUILTIN_PREFIX + k) for k in known)
-            fail(where, "path", f"a checkpoint directory or one of {builtins}", m.path)
-    elif not Path(m.path).expanduser().is_dir():
-        fail(where, "path", "an existing checkpoint directory", m.path)
+            fail(where, "path", f"a checkpoint directory or one of {builtins}", path)
+    elif not Path(path).expanduser().is_dir():
+        fail(where, "path", "an existing checkpoint directory", path)
 
 
 def check_buckets(where: str, key: str, value: Any) -> tuple[int, ...]:

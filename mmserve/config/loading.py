@@ -59,7 +59,7 @@ def config_from_dict(raw: dict, base_dir: Path | None = None) -> Config:
         raise ValueError(f"config: unknown section(s) {sorted(raw)}")
     config = Config(**kwargs)  # every section and model checked (their __post_init__s)
     for m in config.models:
-        check_model_path(m)
+        check_model_path(m.name, m.path)
     return config
 
 

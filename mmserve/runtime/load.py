@@ -7,12 +7,32 @@ report a router polls (`GET /v1/loads`) agree by construction, never by two copi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from mmserve.runtime.registry import LoadedModel
-    from mmserve.runtime.runtime import Runtime
+    from mmserve.actors.kv_events import KVEventPublisher
+    from mmserve.actors.messages import RequestHandle
+    from mmserve.config import Config
+    from mmserve.runtime.registry import LoadedModel, ModelRegistry
+    from mmserve.runtime.supervisor import Health, Supervisor
+
+
+class RuntimeState(Protocol):
+    """What the load figures and the metrics read of a running `Runtime`. A Protocol, so neither
+    this module nor `runtime.metrics` imports the runtime that imports them (no import cycle)."""
+
+    config: "Config"
+    registry: "ModelRegistry"
+    supervisor: "Supervisor"
+    kv_events: "KVEventPublisher | None"  # the replica's KV event stream ([kv_events]; None: off)
+
+    def health(self, model: str | None = None) -> "Health": ...
+
+    def in_flight(self) -> "Iterable[RequestHandle]":
+        """The requests admitted and not yet ended."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -38,7 +58,7 @@ class ModelLoad:
         return self.evictable_blocks / (self.num_blocks or 1)
 
 
-def model_load(rt: "Runtime", m: "LoadedModel", live_ids: dict[str, set[str]]) -> ModelLoad:
+def model_load(rt: RuntimeState, m: "LoadedModel", live_ids: dict[str, set[str]]) -> ModelLoad:
     admitted = {s.handle.request_id for s in m.generator.running if s.admitted}
     kv = m.prefix_cache.stats()
     return ModelLoad(
@@ -49,10 +69,9 @@ def model_load(rt: "Runtime", m: "LoadedModel", live_ids: dict[str, set[str]]) -
         hit_tokens=kv["hit_tokens"], query_tokens=kv["query_tokens"])
 
 
-def model_loads(rt: "Runtime") -> list[ModelLoad]:
+def model_loads(rt: RuntimeState) -> list[ModelLoad]:
     """Each loaded model's load, in the registry's order (one read of the live requests for all)."""
     live_ids: dict[str, set[str]] = {}
-    for h in rt._live:
-        if h.active:
-            live_ids.setdefault(h.model, set()).add(h.request_id)
+    for h in rt.in_flight():
+        live_ids.setdefault(h.model, set()).add(h.request_id)
     return [model_load(rt, m, live_ids) for m in rt.registry.loaded.values()]

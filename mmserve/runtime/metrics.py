@@ -7,15 +7,10 @@ own registry (several runtimes may live in one process).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from mmserve.runtime.load import model_loads
-
-if TYPE_CHECKING:
-    from mmserve.runtime.runtime import Runtime
+from mmserve.runtime.load import RuntimeState, model_loads
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -54,7 +49,7 @@ class Metrics:
                                   "503), by reason: the error's code, or its type.", ["reason"],
                                   registry=self.registry)
 
-    def attach(self, runtime: "Runtime") -> None:
+    def attach(self, runtime: RuntimeState) -> None:
         self.registry.register(_RuntimeCollector(runtime))
 
     def request_finished(self, model: str, reason: str, prompt_tokens: int, completion_tokens: int,
@@ -92,7 +87,7 @@ class Metrics:
 class _RuntimeCollector:
     """Gauges and cache counters read from actor state when scraped."""
 
-    def __init__(self, runtime: "Runtime"):
+    def __init__(self, runtime: RuntimeState):
         self.rt = runtime
 
     def describe(self):
@@ -231,7 +226,7 @@ def _shared_tier_metrics(rt, g, c):
 
 def _kv_event_metrics(rt, c):
     """The replica's KV event stream ([kv_events]): batches published, dropped (queue full), replays."""
-    pub = getattr(rt, "kv_events", None)
+    pub = rt.kv_events
     if pub is None:
         return
     stats = pub.stats()

@@ -150,12 +150,12 @@ class Runtime:
             return
         grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
         self.supervisor.draining = True
-        at_start = self._in_flight()
+        at_start = self.in_flight()
         self.log.info("runtime.draining", in_flight=len(at_start), grace_s=grace)
         with trio.move_on_after(grace):
-            while self._in_flight():
+            while self.in_flight():
                 await trio.sleep(0.02)
-        cut = self._in_flight()
+        cut = self.in_flight()
         for handle in cut:
             handle.fail(ServiceUnavailable("the server is shutting down and this request did not finish within "
                                            f"its grace period ({grace:g} s); retry", code="shutdown",
@@ -166,7 +166,8 @@ class Runtime:
         self.drained = {"in_flight_at_drain": len(at_start), "finished_in_grace": len(at_start) - len(cut),
                         "cut": len(cut)}
 
-    def _in_flight(self) -> list[RequestHandle]:
+    def in_flight(self) -> list[RequestHandle]:
+        """The requests admitted and not yet ended."""
         return [h for h in self._live if h.active]
 
     def _build_actors(self, adapter) -> dict:
@@ -394,7 +395,7 @@ class Runtime:
     def _admit_or_refuse(self) -> None:
         """Back-pressure: beyond `max_pending_requests` in flight, refuse with 429 + Retry-After."""
         limit = self.config.limits.max_pending_requests
-        if len(self._in_flight()) >= limit:
+        if len(self.in_flight()) >= limit:
             raise Overloaded(f"mmserve is at its limit of {limit} requests in flight; retry shortly",
                              retry_after_s=1.0)
 
