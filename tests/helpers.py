@@ -52,7 +52,7 @@ async def assert_nothing_held(rt) -> None:
         # a step abandoned by a restart that still runs holds its blocks (quarantine) until it returns
         manager = model.prefix_cache
         fences = {o for o in manager.arena.owners() if isinstance(o, StepFence)}
-        assert fences == {StepFence(step) for step in manager.quarantined}, (name, fences, manager.quarantined)
+        assert fences == {StepFence(step) for step in manager.quarantine.steps}, (name, fences, manager.quarantine.steps)
         assert not manager.arena.owners() - fences, (name, manager.arena.owners())
         inflight = model.prefix_cache.inflight
         assert len(inflight) == 0 and inflight.registered_blocks == 0, name

@@ -109,10 +109,9 @@ class OwnershipMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.portal = Portal()
-        self.manager = PrefixCacheManager("ownership", KVCacheConfig(block_size=BLOCK, inflight_wait_s=WAIT_S),
-                                          NUM_BLOCKS)
         self.to_generator, self.generator_inbox = trio.open_memory_channel(math.inf)
-        self.manager.generator = self.to_generator
+        self.manager = PrefixCacheManager("ownership", KVCacheConfig(block_size=BLOCK, inflight_wait_s=WAIT_S),
+                                          NUM_BLOCKS, generator=self.to_generator)
         self.reqs: dict[str, Req] = {}
         self.next_id = 0
         self.known_epoch: int | None = None  # the latest manager life the generator has heard of
@@ -483,7 +482,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         self._drain()
         if self.known_epoch != self.manager.epoch or self.entries:
             return  # (the bogus draw goes alone in its report)
-        reserved = set(self.manager.arena.table(self.manager.reservation)) if self.manager.lease is not None else set()
+        reserved = set(self.manager.arena.table(self.manager.reservation)) if self.manager.ledger.lease is not None else set()
         outside = [b for b in range(NUM_BLOCKS) if b not in reserved]
         r = self.pick(data, [r for r in live if r.stage == "generator"] or live)
         if r.stage != "generator" or not outside:
@@ -502,7 +501,7 @@ class OwnershipMachine(RuleBasedStateMachine):
 
     def _state(self):
         arena = self.manager.arena
-        return (tuple(arena.snapshot()), {o: arena.table(o) for o in arena.owners()}, self.manager.lease,
+        return (tuple(arena.snapshot()), {o: arena.table(o) for o in arena.owners()}, self.manager.ledger.lease,
                 self.generator_inbox.statistics().current_buffer_used)
 
     @rule(data=st.data(), late=st.booleans(), crash=st.integers(0, 9))
@@ -573,7 +572,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         owner = self.manager.reservation
         reserved = arena.table(owner) if owner is not None else ()
         private: dict[int, str] = {}
-        if self.known_epoch == self.manager.epoch and self.lease == self.manager.lease:
+        if self.known_epoch == self.manager.epoch and self.lease == self.manager.ledger.lease:
             for b in self.reserve:  # what the generator may draw is the reservation's alone
                 assert b in reserved and arena.refcount(b) == 1 and arena.hash_of(b) is None, (
                     f"reserve block {b} is not the reservation's alone: {arena.snapshot()}")

@@ -1,9 +1,11 @@
 """The package layers import one way (DESIGN.md "Where code lives"), no file imports another in a
-circle, and no file grows past ~400 lines. Read from the source with `ast`, lazy imports included."""
+circle (imports for annotations only, under TYPE_CHECKING, count too), no class mixes in others'
+methods, and no class grows past ~400 lines. Read from the source with `ast`, lazy imports included."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent / "mmserve"
 RANK = {"api": 7, "runtime": 6, "actors": 5, "inputs": 4, "generation": 3.5, "models": 3, "attention": 2.5,
         "cache": 2, "config": 1, "errors": 1, "logs": 1}
 UNLAYERED = {"cli", "bench", "trace", "__init__"}  # entry points: they may import anything
-MAX_LINES = 420
+MAX_CLASS_LINES = 400  # a class past this does more than one job: split it by jobs, into objects it holds
+MAX_LINES = 600  # a backstop only: classes and their jobs set the size of a module
+# bases that say what a class is, not whose methods it borrows: none counts towards "one base"
+NEUTRAL_BASES = {"ABC", "Protocol", "Generic", "NamedTuple", "TypedDict", "object",
+                 "Enum", "IntEnum", "StrEnum", "Flag", "IntFlag"}
 
 
 def _module(path: Path) -> str:
@@ -24,15 +30,17 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every mmserve module `path` imports, wherever the import statement is."""
+def _imports(path: Path, typing_only: bool = False) -> set[str]:
+    """Every mmserve module `path` imports, wherever the import statement is; `typing_only`: those
+    under `if TYPE_CHECKING:` (annotations only, no import at run time) too."""
     tree = ast.parse(path.read_text(), str(path))
     package = _module(path) if path.name == "__init__.py" else _module(path).rsplit(".", 1)[0]
     found = set()
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}  # annotations only: no import at run time
+    skipped = set() if typing_only else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in skipped:
             continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("mmserve")}
@@ -71,7 +79,9 @@ def test_layers_import_downwards_only(path):
 
 
 def test_no_file_imports_another_in_a_circle():
-    graph = {m: {t for t in _imports(p) if t in MODULES and t != m} for p in FILES for m in [_module(p)]}
+    """Annotation-only imports count: a cycle hidden under TYPE_CHECKING is still two modules that
+    each need the other (a Protocol, or plain values, breaks it for real)."""
+    graph = {m: {t for t in _imports(p, typing_only=True) if t in MODULES and t != m} for p in FILES for m in [_module(p)]}
     # a package's __init__ re-exporting its modules is not a cycle with them
     graph = {m: {t for t in ts if not (m == t.rsplit(".", 1)[0] or t == m.rsplit(".", 1)[0])} for m, ts in graph.items()}
     state: dict[str, int] = {}
@@ -93,6 +103,42 @@ def test_no_file_imports_another_in_a_circle():
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_files_stay_small(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES, f"{path}: split it (one job per file)"
+
+
+def _classes(path: Path) -> list[ast.ClassDef]:
+    return [n for n in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(n, ast.ClassDef)]
+
+
+def _base_name(base: ast.expr) -> str:
+    """`Generic[T]` → Generic, `enum.Enum` → Enum."""
+    if isinstance(base, ast.Subscript):
+        base = base.value
+    return ast.unparse(base).rsplit(".", 1)[-1]
+
+
+def _is_builtin_exception(name: str) -> bool:
+    return isinstance(getattr(builtins, name, None), type) and issubclass(getattr(builtins, name), BaseException)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_class_mixes_in_another(path):
+    """Composition, not mixins: a class has at most one base that gives it behaviour (`Actor`, an
+    adapter's parent, an error's parent class, `torch.nn.Module`, ...). Bases that only say what it
+    is do not count: ABC, Protocol, Generic, NamedTuple, TypedDict, enum types, and built-in
+    exception types beside an error's own parent (`CheckpointError(ServiceUnavailable, ValueError)`).
+    A part of an actor's job with state of its own is an object the actor holds."""
+    for cls in _classes(path):
+        doing = [ast.unparse(b) for b in cls.bases
+                 if _base_name(b) not in NEUTRAL_BASES and not _is_builtin_exception(_base_name(b))]
+        assert len(doing) <= 1, \
+            f"{path}: class {cls.name} mixes in {', '.join(doing)}: hold the parts as objects (composition)"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_classes_stay_small(path):
+    for cls in _classes(path):
+        lines = cls.end_lineno - cls.lineno + 1
+        assert lines <= MAX_CLASS_LINES, f"{path}: class {cls.name} is {lines} lines: split it by jobs"
 
 
 def test_every_package_says_what_it_may_import():

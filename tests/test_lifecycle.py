@@ -148,6 +148,8 @@ class _Crasher:
 
     name = key = "crasher"
 
+    key = "crasher"
+
     def __init__(self, runs):
         self.runs, self.starts, self.in_flight, self.last_progress = list(runs), [], {}, 0.0
 
@@ -173,7 +175,7 @@ async def test_the_restart_backoff_resets_after_a_healthy_run(autojump_clock):
     actor = _Crasher([0, 0, 0, 100, 0])  # three quick crashes, a long healthy run, a crash
     async with trio.open_nursery() as nursery:
         supervisor.attach(nursery)
-        supervisor.start(actor, "crasher")
+        supervisor.start(actor)
         await trio.sleep(500)  # virtual time (autojump_clock): every crash and backoff plays out
         nursery.cancel_scope.cancel()
     gaps = [round(b - a) for a, b in zip(actor.starts, actor.starts[1:])]
@@ -322,7 +324,7 @@ async def test_time_spent_idle_never_counts_as_a_stall():
     actor = _Idler()
     async with trio.open_nursery() as nursery:
         supervisor.attach(nursery)
-        supervisor.start(actor, "idler")
+        supervisor.start(actor)
         await trio.sleep(0.8)  # idle, longer than the stall timeout
         actor.job.set()
         await trio.sleep(0.5)

@@ -97,8 +97,9 @@ async def answer(receive):
         return await receive.receive()
 
 
-async def started(nursery, wait_s=10.0, num_blocks=64):
-    manager = PrefixCacheManager("tiny", KVCacheConfig(block_size=4, inflight_wait_s=wait_s), num_blocks)
+async def started(nursery, wait_s=10.0, num_blocks=64, generator=None):
+    manager = PrefixCacheManager("tiny", KVCacheConfig(block_size=4, inflight_wait_s=wait_s), num_blocks,
+                                 generator=generator)
     nursery.start_soon(manager.run)
     await trio.testing.wait_all_tasks_blocked()
     return manager
@@ -207,9 +208,8 @@ async def test_a_grant_without_free_blocks_evicts_and_logs_it():
 
 async def test_a_restart_voids_the_generators_tables():
     async with trio.open_nursery() as nursery:
-        m = await started(nursery)
         to_generator, generator_inbox = trio.open_memory_channel(math.inf)
-        m.generator = to_generator
+        m = await started(nursery, generator=to_generator)
         first = (await grant(m, [("a", 1)]))[1]
         m.fail_in_flight(RuntimeError("boom"))
         nursery.start_soon(m.run)  # the supervisor's restart

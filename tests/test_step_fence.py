@@ -60,7 +60,7 @@ async def test_a_step_slower_than_the_stall_timeout_writes_only_into_quarantined
         metric, shown = quarantined(rt)
         assert metric == shown > 0
         manager = rt.registry.require("demo").prefix_cache
-        held = set(manager.arena.table(StepFence(next(iter(manager.quarantined)))))
+        held = set(manager.arena.table(StepFence(next(iter(manager.quarantine.steps)))))
 
         await wait_until(lambda: rt.health().ok, 2.0, what="the generator restarted")
         owner = await rt.chat_completion(OTHER, **kw)  # runs while A's step sleeps

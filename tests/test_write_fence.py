@@ -98,7 +98,7 @@ async def test_a_manager_restart_during_a_step_quarantines_what_the_step_may_wri
             assert table.isdisjoint(taken)
             manager.arena.free("newcomer")
             assert rt.debug_cache()["demo"]["prefix_cache"]["quarantined_blocks"] >= len(table)
-            await wait_until(lambda: not manager.quarantined, HANG_S + 5, what="the quarantine to end")
+            await wait_until(lambda: not manager.quarantine.steps, HANG_S + 5, what="the quarantine to end")
         assert isinstance(error, ServiceUnavailable)
         # a restore allocated in the dead life and written after the new one began writes nothing
         block = sorted(table)[0]

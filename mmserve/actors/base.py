@@ -23,10 +23,15 @@ class Actor(ABC):
     """
 
     name = "actor"
-    key: str | None = None  # the supervisor's name for it (e.g. `generator[demo]`), set when started
 
-    def __init__(self, inbox_size: float = math.inf, **log_fields):
-        self.inbox_send, self.inbox = trio.open_memory_channel(inbox_size)
+    def __init__(self, inbox_size: float = math.inf,
+                 inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] | None = None, **log_fields):
+        """`inbox`: the (send, receive) pair of a channel made before the actor — by whoever wires
+        two actors that send to each other, so both are complete when built."""
+        self.inbox_send, self.inbox = inbox if inbox is not None else trio.open_memory_channel(inbox_size)
+        # the supervisor's name for it, and the compute thread's owner of its calls:
+        # `generator[demo]` for a model's actor (its `model` log field), else the bare name
+        self.key = f"{self.name}[{log_fields['model']}]" if "model" in log_fields else self.name
         self.log = get_logger(self.name, **log_fields)
         self.in_flight: dict[str, RequestHandle] = {}
         self.last_progress = time.monotonic()

@@ -53,7 +53,7 @@ class Encoder(Actor):
 
     def __init__(self, adapter: Adapter, generator_inbox: trio.MemorySendChannel,
                  config: EncoderCacheConfig = EncoderCacheConfig(), prefix_cache: trio.MemorySendChannel | None = None,
-                 vision: VisionPath | None = None):
+                 vision: VisionPath | None = None, shared=None):
         super().__init__(model=adapter.name)
         self.adapter = adapter
         self.vision = vision or VisionPath(adapter)  # the tower: static per view bucket, or eager
@@ -64,7 +64,7 @@ class Encoder(Actor):
         self.cache = EncoderCache(config.budget_bytes, config.max_entries or None) if config.enabled else None
         self.encoder_runs = 0
         self.items_encoded = 0
-        self.shared = None  # the model's SharedTier (Redis), when [shared_cache] is on
+        self.shared = shared  # the model's SharedTier (Redis), when [shared_cache] is on
         self.shared_hits = 0
 
     async def run(self) -> None:

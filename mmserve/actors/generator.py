@@ -53,7 +53,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
                  kv_config: KVCacheConfig = KVCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
-                 metrics=None, overlap: bool = True):
+                 metrics=None, overlap: bool = True, finish_after_flush: bool = False):
         super().__init__(model=adapter.name)
         self.overlap = overlap  # step n+1 prepared while step n runs (`actors.step_overlap`)
         self._overlap_state()
@@ -87,7 +87,7 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
         self._grammars: Grammars | None = None
         self._pieces: TokenPieces | None = None  # token id → text and bytes, for logprobs
-        self.finish_after_flush = False  # set with a shared tier: the manager delivers the finish
+        self.finish_after_flush = finish_after_flush  # with a shared tier: the manager delivers the finish
 
     @property
     def grammars(self) -> Grammars:

@@ -196,7 +196,8 @@ class Intake(Actor):
     ABORT_POLL_S = 0.02  # how soon a remote-image fetch notices that its caller left
 
     def __init__(self, limits: LimitsConfig, route: Callable[[RequestHandle], AsyncContextManager[Route]],
-                 kv: KVCacheConfig = KVCacheConfig(), lookup_timeout_s: float = 2.0, video: VideoConfig = VideoConfig()):
+                 kv: KVCacheConfig = KVCacheConfig(), lookup_timeout_s: float = 2.0, video: VideoConfig = VideoConfig(),
+                 on_reject: Callable[[str], None] | None = None):
         super().__init__()
         self.limits = limits
         self.video = video
@@ -210,7 +211,7 @@ class Intake(Actor):
         self.limiter = trio.CapacityLimiter(limits.decode_concurrency)
         self.fetch_limiter = trio.CapacityLimiter(limits.remote_image_policy.fetch_concurrency)
         self.awaiting_load = 0  # requests in flight that wait for their model to load
-        self.on_reject: Callable[[str], None] | None = None  # counts a refused request by its reason
+        self.on_reject = on_reject  # counts a refused request by its reason
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:

@@ -30,6 +30,12 @@ request fails alone with a 503, and nothing it names changes owner); a duplicate
 report (its number is not new) changes nothing; a report of a dead manager life moves nothing;
 a newer lease gives the older reservation back whole (the generator dropped it, and drops its
 refills still on their way); a restart voids the reservation with every table of its life.
+
+The manager is wired at construction and holds its parts as objects, each the one owner of its
+state: its `ReservationLedger` (the generator's reservation: lease, reports, refused draws), its
+`StepQuarantine` (blocks abandoned steps may still write) and, with `[kv_events]`, its
+`KVEventSource` (what routers were told). The arena and the life (epoch) are the manager's; a part
+is handed them by each call, never the manager.
 """
 
 from __future__ import annotations
@@ -38,14 +44,15 @@ import trio
 
 from mmserve.actors import compute
 from mmserve.actors.base import Actor
-from mmserve.actors.quarantine_side import QuarantineSide
-from mmserve.actors.reservation_side import ReservationSide, send as _send
 from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
-from mmserve.actors.kv_event_side import KVEventSide
+from mmserve.actors.kv_event_source import KVEventSource
 from mmserve.actors.messages import (
-    ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release, Resume, Resumed,
-    StepFence, StepReport, StepReturned, copy_pin, lookup_pin)
+    ClearCache, Commit, Draw, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Quarantine, Release,
+    Reservation, Resume, Resumed, StepReport, StepReturned, copy_pin, lookup_pin)
+from mmserve.actors.reservation_ledger import ReservationLedger, send as _send
+from mmserve.actors.step_fences import step_returned_sender
+from mmserve.actors.step_quarantine import StepQuarantine
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
@@ -55,27 +62,33 @@ from mmserve.config import KVCacheConfig
 from mmserve.errors import MMServeError
 
 
-class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
+class PrefixCacheManager(Actor):
     name = "prefix_cache"
 
-    def __init__(self, model: str, config: KVCacheConfig, num_blocks: int):
-        super().__init__(model=model)
+    def __init__(self, model: str, config: KVCacheConfig, num_blocks: int, *, runner=None,
+                 generator: trio.MemorySendChannel | None = None, shared=None, events=None,
+                 inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] | None = None):
+        """`runner`: the generator's ModelRunner — its write fence starts each life of this manager
+        (shared tier or not), exports read committed blocks through it and restores write through
+        it (None: bookkeeping alone, as in tests). `generator`: its inbox, told when a restart voids
+        its tables. `shared`: the model's SharedTier (Redis), with `[shared_cache]` and prefix
+        caching on. `events`: the replica's KVEventPublisher, with `[kv_events]` and prefix caching
+        on. `inbox`: this actor's channel pair when made before it (the generator is built first
+        and sends here)."""
+        super().__init__(model=model, inbox=inbox)
         self.block_size = config.block_size
         self.caching = config.prefix_caching
         self.num_blocks = num_blocks
         self.wait_s = config.inflight_wait_s
         self.dedup_waits = 0  # lookups that waited for another request's blocks
         self.epoch = 0
-        self.generator: trio.MemorySendChannel | None = None  # told when a restart voids its tables
-        self.shared = None  # the model's SharedTier (Redis), when [shared_cache] is on
-        self.kv = None  # the generator's ModelRunner: reads committed blocks to export, writes restored ones
+        self.generator = generator
+        self.shared = shared
+        self.runner = runner
         self.shared_restored = 0  # blocks restored from the shared tier
-        self.last_report = -1  # the latest step report handled: kept across restarts (never reused)
-        self.refused_draws = 0  # draws of blocks the reservation did not hold (each failed its request)
-        # abandoned steps still running → the blocks they may write: held under `StepFence(step)`
-        # in the arena (so never allocated) until `StepReturned(step)`; kept across restarts
-        self.quarantined: dict[int, tuple[int, ...]] = {}
-        self.returned_steps: set[int] = set()  # returned before their quarantine came: none is needed
+        self.ledger = ReservationLedger(num_blocks, self.log)
+        self.quarantine = StepQuarantine(num_blocks, self.log)  # kept across restarts
+        self.events = KVEventSource(events, self.block_size) if events is not None else None
         self._reset()
 
     def _reset(self) -> None:
@@ -85,19 +98,19 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
         self.inflight: InFlightBlocks[Lookup] = InFlightBlocks()
         self.remote: dict[str, tuple[Lookup, int, float | None]] = {}  # lookups asking the shared tier
         self.looked_up: set[str] = set()  # requests whose lookup came, until their Release
-        self.lease: int | None = None  # the generator's reservation lease (None: none in this life yet)
-        self.broken: set[str] = set()  # requests a draw was refused for: their tables are not trusted
+        self.ledger.new_life()
         self.epoch += 1
-        for step, blocks in self.quarantined.items():  # an abandoned step writes on, whatever life this is
-            self.arena.hold(StepFence(step), blocks)
-        self._events_reset()  # KV events: what routers were told of the old arena is void
-        self._fence_writers()  # a writer of the arena still in flight writes on too: held until it returns
+        self.quarantine.hold_in(self.arena)  # an abandoned step writes on, whatever life this is
+        if self.events is not None:  # KV events: what routers were told of an old arena is void
+            self.events.watch(self.arena, fresh=self.epoch > 1)
+        if self.runner is not None:  # a writer of the arena still in flight writes on too: held until it returns
+            self.quarantine.fence_writers(self.arena, self.runner.fence, self.epoch,
+                                          step_returned_sender(self.inbox_send))
 
-    def attach_kv(self, runner) -> None:
-        """The generator's model runner: its arena's epoch is this manager's life from now on (the
-        fence a step checks before it writes, shared tier or not); exports and restores use it."""
-        self.kv = runner
-        self._fence_writers()
+    @property
+    def reservation(self) -> Reservation | None:
+        """The owner holding the generator's reservation in this life (None before its first report)."""
+        return self.ledger.owner(self.epoch)
 
     async def run(self) -> None:
         if self.epoch > 1 and self.generator is not None:  # restarted: the generator's tables are void
@@ -112,7 +125,8 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
             for parked in self.inflight.expired(trio.current_time()):
                 self.log.info("prefix_cache.wait_expired", request_id=parked.waiter, owner=parked.owner)
                 self._relook(parked, may_wait=False)
-            self._flush_events()  # what this message did to the arena's entries, in its order
+            if self.events is not None:  # what this message did to the arena's entries, in its order
+                self.events.flush(self.arena)
             self.progressed()
 
     async def _handle(self, msg) -> None:
@@ -130,7 +144,7 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
             await afault("prefix.release", msg.request_id)
             self._release(msg)
         elif isinstance(msg, StepReturned):
-            self._step_returned(msg)
+            self.quarantine.release(self.arena, msg.step)
         elif isinstance(msg, SharedBlocks):
             await self._restore(msg)
         elif isinstance(msg, Fork):
@@ -141,11 +155,40 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
             self._resume(msg)
         elif isinstance(msg, ClearCache):
             n = self.arena.clear()
-            self._flush_events(reset=True)
+            if self.events is not None:
+                self.events.flush(self.arena, reset=True)
             self.log.info("prefix_cache.cleared", entries=n, kept_referenced=self.arena.num_used())
             _send(msg.reply, n)
         else:
             raise TypeError(f"prefix cache: unexpected message {msg!r}")
+
+    async def _report(self, msg: StepReport) -> None:
+        """One step of the generator: its entries in order, then at most one refill. A commit that
+        raises fails its request alone (PrefixFailed); a release that raises is this actor's fault."""
+        current = self.ledger.open(self.arena, msg, self.epoch)
+        if current is None:
+            return  # a duplicate, or a replay: everything in it was done
+        for entry in msg.entries:
+            if isinstance(entry, Quarantine):  # in any life: the step writes whatever life granted them
+                self.quarantine.hold(self.arena, entry.step, entry.blocks)
+            elif isinstance(entry, Release):
+                await afault("prefix.release", entry.request_id)
+                self._release(entry)
+            elif not current:
+                continue  # a draw or commit into a table of a dead life: void, like the table
+            elif isinstance(entry, Draw):
+                self.ledger.draw(self.arena, entry, msg, self.epoch)
+            elif isinstance(entry, Commit):
+                if not self.ledger.trusts(entry.request_id):
+                    continue  # its table here is not the one the generator believes: nothing is keyed by it
+                try:
+                    await self._for_request(entry)
+                except Exception as e:
+                    self._contain(entry, e)
+            else:
+                raise TypeError(f"prefix cache: unexpected step report entry {entry!r}")
+        if current:
+            await self.ledger.refill(self.arena, msg, self.epoch)
 
     async def _for_request(self, msg: Lookup | Commit) -> None:
         if isinstance(msg, Lookup):
@@ -282,7 +325,8 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
 
     def _commit(self, msg: Commit) -> None:
         if self.caching:
-            self._note_commit(msg)  # its blocks' token ids: announced if this commit caches them
+            if self.events is not None:  # its blocks' token ids: announced if this commit caches them
+                self.events.note_commit(self.arena, msg)
             new = [(i, h) for i, h in msg.blocks if self.arena.commit(msg.request_id, i, h)]
             table = self.arena.table(msg.request_id)
             self.log.info("prefix_cache.commit", request_id=msg.request_id, blocks=len(msg.blocks),
@@ -301,7 +345,7 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
                 handle.emit(event)
         rid = msg.request_id
         self.arena.free(rid)
-        self.broken.discard(rid)  # it holds nothing: its next table starts afresh
+        self.ledger.released(rid)  # it holds nothing: its next table starts afresh
         self.arena.free(lookup_pin(rid))  # a lookup still pending for it (parked: `_done`) answers no one
         if msg.final:  # a preempted request runs again: a lookup for it is still a duplicate
             self.looked_up.discard(rid)
@@ -313,12 +357,11 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
     def _ask_shared(self, msg: Lookup, local: int, waited_since: float | None) -> bool:
         """A local miss goes on in the shared tier: the hashes after the local hit are asked for, the
         answer (SharedBlocks, within the tier's deadline) restores them. False when the tier is off."""
-        tier, kv = self.shared, self.kv
-        if tier is None or kv is None or not tier.active():
+        tier, runner = self.shared, self.runner
+        if tier is None or runner is None or not tier.active():
             return False
-        shape = kv.block_shape
         self.remote[msg.request_id] = (msg, local, waited_since)
-        tier.inbox_send.send_nowait(FetchBlocks(msg.request_id, msg.hashes[local:], kv.dtype, shape,
+        tier.inbox_send.send_nowait(FetchBlocks(msg.request_id, msg.hashes[local:], runner.dtype, runner.block_shape,
                                                 self.epoch, self.inbox_send))
         return True
 
@@ -349,7 +392,7 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
         if evicted := [(b, h) for b, h in taken if h is not None]:
             self.log.info("prefix_cache.evict", request_id=pin, blocks=[b for b, _ in evicted],
                           hashes=[key_prefix(h) for _, h in evicted])
-        written = await compute.run(self.kv.write_blocks, [block for block, _ in taken], tensors[:n], self.epoch,
+        written = await compute.run(self.runner.write_blocks, [block for block, _ in taken], tensors[:n], self.epoch,
                                     owner=self.key)
         if not written:  # this life ended meanwhile (its tables went with it): nothing was written
             raise RuntimeError("the cache manager restarted during the restore")
@@ -364,11 +407,10 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
         """Newly committed blocks go to the shared tier, once: their KV is copied out now, while the
         committing request still references them (no one can be writing them), and written to
         Redis in the background."""
-        kv = self.kv
-        if kv is None or not self.shared.active():
+        if self.runner is None or not self.shared.active():
             return
         with single_threaded():
-            data = kv.read_blocks([table[i] for i, _ in new])  # [2, L, n, ...]
+            data = self.runner.read_blocks([table[i] for i, _ in new])  # [2, L, n, ...]
         for j, (_, h) in enumerate(new):
             self.shared.put_soon(KIND_KV_BLOCK, block_key(h), data[:, :, j])
 
@@ -383,13 +425,20 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
             _send(self.generator, KVEpoch(self.epoch))
         return failed
 
+    def detach_events(self) -> None:
+        """The model is unloaded (its `fail_in_flight` reset the arena: what it announced is
+        withdrawn already): it publishes no more KV events."""
+        if self.events is not None:
+            self.events.close(self.arena)
+            self.events = None
+
     def stats(self) -> dict:
         s = self.arena.stats()
-        reserved = len(self.arena.table(self.reservation)) if self.lease is not None else 0
+        reserved = self.ledger.reserved(self.arena, self.epoch)
         # blocks held by requests (and pins); the reservation's, not yet anyone's, apart
         return dict(s.__dict__, referenced_blocks=s.referenced_blocks - reserved, reserved_blocks=reserved,
-                    refused_draws=self.refused_draws, block_size=self.block_size, waiting_lookups=len(self.inflight),
+                    refused_draws=self.ledger.refused_draws, block_size=self.block_size, waiting_lookups=len(self.inflight),
                     inflight_blocks=self.inflight.registered_blocks, dedup_waits=self.dedup_waits,
                     hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size,
-                    shared_restored_blocks=self.shared_restored, quarantined_blocks=self.quarantined_blocks,
-                    quarantined_steps=len(self.quarantined))
+                    shared_restored_blocks=self.shared_restored, quarantined_blocks=self.quarantine.blocks,
+                    quarantined_steps=len(self.quarantine))

@@ -400,20 +400,3 @@ class SharedTier(Actor):
         return {"state": s["state"], "last_error": self.public_error, "retry_in_s": s["retry_in_s"],
                 "errors": s["errors"], "dropped_full": s["dropped_full"]}
 
-
-def attach_shared_tier(actors: dict, adapter, config: SharedCacheConfig) -> dict:
-    """Adds a model's SharedTier to its actors (when `[shared_cache] url` is set) and connects it:
-    the encoder and the prefix-cache manager ask it and feed it; the manager reads and restores
-    KV through the generator's model runner (blocks it granted, never others)."""
-    if not config.enabled:
-        return actors
-    tier = SharedTier(adapter.name, config)
-    actors["encoder"].shared = tier
-    manager = actors.get("prefix_cache")
-    if manager is not None and manager.caching:
-        manager.shared = tier
-        manager.kv = actors["generator"].runner  # restores and exports go through the model runner
-    actors["shared_tier"] = tier
-    if manager is not None and manager.caching and config.finish_flush_ms:
-        actors["generator"].finish_after_flush = True  # its Release carries the finish (see Release)
-    return actors

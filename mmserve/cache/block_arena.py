@@ -67,7 +67,7 @@ class BlockArena:
         self._duplicate_commits = 0
         self._cleared = 0
         # every hash entry made or erased, in order — ("stored" | "removed", block, hash) — when a list
-        # is given: KV events are read from it (`actors.kv_event_side`), so they follow this order
+        # is given: KV events are read from it (`actors.kv_event_source`), so they follow this order
         self.journal = journal
 
     # -- queries -------------------------------------------------------------------------------

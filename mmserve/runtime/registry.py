@@ -17,7 +17,6 @@ from mmserve.actors.base import Actor
 from mmserve.actors.encoder import Encoder
 from mmserve.actors.generator import Generator
 from mmserve.actors.prefix_cache import PrefixCacheManager
-from mmserve.actors.shared_tier import attach_shared_tier
 from mmserve.errors import CheckpointError, MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.adapter import Adapter
@@ -56,9 +55,6 @@ class LoadedModel:
     @property
     def prefix_cache(self) -> PrefixCacheManager:
         return self.actors["prefix_cache"]
-
-    def actor_key(self, role: str) -> str:
-        return f"{role}[{self.name}]"
 
     @property
     def idle(self) -> bool:
@@ -139,7 +135,7 @@ class ModelRegistry:
                 adapter = await trio.to_thread.run_sync(self._read_checkpoint, mc, abandon_on_cancel=True)
             if timer.cancelled_caught:
                 raise TimeoutError(f"the load took longer than load_timeout_s = {rc.load_timeout_s} s")
-            actors = attach_shared_tier(self.build_actors(adapter), adapter, self.config.shared_cache)
+            actors = self.build_actors(adapter)  # wired at construction (`runtime.model_actors`)
             model = LoadedModel(mc, adapter, actors)
             # decode graphs captured before the first request (CUDA only). Elsewhere the compute thread
             # is not started here: started during a load, its OpenMP team cost every later step of
@@ -152,8 +148,8 @@ class ModelRegistry:
                 if failed:  # those buckets run eagerly: slower, still right
                     self.log.warning("registry.graphs_failed", model=mc.name, steps=kind, buckets=sorted(failed),
                                      error=next(iter(failed.values())))
-            for role, actor in model.actors.items():
-                self.supervisor.start(actor, model.actor_key(role))
+            for actor in model.actors.values():
+                self.supervisor.start(actor)
             if (tier := model.actors.get("shared_tier")) is not None:
                 await tier.connect()  # bounded; a Redis that is down leaves the tier off, the model serving
             self.loaded[mc.name] = model
@@ -218,8 +214,8 @@ class ModelRegistry:
         gone = ServiceUnavailable(f"the model {name!r} was unloaded while this request waited for it; retry",
                                   retry_after_s=1.0)
         stranded = 0
-        for role, actor in model.actors.items():
-            self.supervisor.stop(model.actor_key(role))
+        for actor in model.actors.values():
+            self.supervisor.stop(actor.key)
             stranded += actor.fail_in_flight(gone)
             while True:
                 try:

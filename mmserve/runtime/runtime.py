@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -21,11 +22,8 @@ import torch
 import trio
 
 from mmserve.actors import compute
-from mmserve.actors.encoder import Encoder
-from mmserve.actors.generator import Generator
 from mmserve.actors.intake import Intake
 from mmserve.actors.messages import ClearCache, RequestHandle, Route, Submit
-from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.config import Config, load_config
 from mmserve.errors import BadRequest, MMServeError, Overloaded, ServiceUnavailable, log_rejection
 from mmserve.inputs.completions import parse_completion_requests
@@ -33,15 +31,12 @@ from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.inputs.tokenize import parse_detokenize, parse_tokenize
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
-from mmserve.generation.runner import ModelRunner
-from mmserve.generation.vision_step import VisionPath, image_buckets_for
 from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
+from mmserve.runtime.model_actors import build_model_actors
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.routing_keys import routing_keys
-from mmserve.runtime.sizing import context_tokens, kv_budget
 from mmserve.models.batch_invariant import fingerprint
-from mmserve.models.paged import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
 from mmserve.runtime.supervisor import Health, Supervisor, not_serving_yet
 
@@ -72,15 +67,7 @@ class Runtime:
         self.config = config
         self.supervisor = Supervisor(config.supervisor)
         self.supervisor.attach(nursery)
-        self.registry = ModelRegistry(config, self.supervisor, self._build_actors)
-        self.intake = Intake(config.limits, self._route, config.kv_cache, config.generator.lookup_timeout_s,
-                             video=config.video)
-        self.log = get_logger("runtime")
-        self.started = time.time()
-        # every request admitted and not yet gone, held weakly: a handle leaves with its last
-        # reference (its caller's stream, the actor holding it), never by a prune that may not run
-        self._live: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
-        self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
+        self.metrics = Metrics()
         # KV events for external routers ([kv_events]): one stream per replica, every model's manager on
         # it. Imported only when on: a replica that does not publish never loads pyzmq
         self.kv_events = None
@@ -88,9 +75,17 @@ class Runtime:
             from mmserve.actors.kv_events import KVEventPublisher
 
             self.kv_events = KVEventPublisher(config.kv_events)
-        self.metrics = Metrics()
-        self.metrics.attach(self)
-        self.intake.on_reject = self.metrics.rejected
+        self.registry = ModelRegistry(config, self.supervisor, functools.partial(
+            build_model_actors, config, metrics=self.metrics, kv_events=self.kv_events))
+        self.intake = Intake(config.limits, self._route, config.kv_cache, config.generator.lookup_timeout_s,
+                             video=config.video, on_reject=self.metrics.rejected)
+        self.log = get_logger("runtime")
+        self.started = time.time()
+        # every request admitted and not yet gone, held weakly: a handle leaves with its last
+        # reference (its caller's stream, the actor holding it), never by a prune that may not run
+        self._live: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
+        self.drained = {"in_flight_at_drain": 0, "finished_in_grace": 0, "cut": 0}
+        self.metrics.attach(self)  # its gauges read this runtime's state when scraped
 
     @classmethod
     @asynccontextmanager
@@ -133,7 +128,7 @@ class Runtime:
             raise body_error
 
     async def _start(self) -> None:
-        self.supervisor.start(self.intake, "intake")
+        self.supervisor.start(self.intake)
         for mc in self.config.models:
             # the default model loads at start whether `default = true` names it or it is implied
             # (the first, or only, [[models]] table); `load = "on_demand"` keeps it lazy
@@ -169,28 +164,6 @@ class Runtime:
     def in_flight(self) -> list[RequestHandle]:
         """The requests admitted and not yet ended."""
         return [h for h in self._live if h.active]
-
-    def _build_actors(self, adapter) -> dict:
-        """One model's actors around its KV arena: the tensors go to the generator's model runner,
-        the bookkeeping of the same blocks to the cache manager."""
-        kv, rt, gen = self.config.kv_cache, self.config.runtime, self.config.generator
-        block_bytes = KVArena.block_bytes_for(adapter, kv.block_size)
-        budget = kv_budget(self.config, rt.device, block_bytes, context_tokens(self.config, adapter))
-        runner = ModelRunner(adapter, budget.value, kv.block_size, rt.attention_backend,
-                             max_batch=gen.max_running_requests, cuda_graphs=rt.cuda_graphs,
-                             max_tokens=gen.max_batched_tokens, token_buckets=rt.graph_token_buckets or None,
-                             deterministic=rt.deterministic)
-        runner.kv_budget_from = budget.why  # for the load log line
-        manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
-        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
-        manager.generator = generator.inbox_send
-        manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
-        if self.kv_events is not None and manager.caching:
-            manager.attach_events(self.kv_events)
-        vision = VisionPath(adapter, image_buckets_for(rt.graph_image_buckets, adapter.device,
-                                                       self.config.encoder_cache.max_batch_images), rt.cuda_graphs)
-        encoder = Encoder(adapter, generator.inbox_send, self.config.encoder_cache, manager.inbox_send, vision)
-        return {"prefix_cache": manager, "encoder": encoder, "generator": generator}
 
     @asynccontextmanager
     async def _route(self, handle: RequestHandle):

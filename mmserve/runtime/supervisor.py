@@ -154,11 +154,10 @@ class Supervisor:
         owner = compute.busy_owner()
         return compute.quiet_for() > limit and owner is not None and owner != key
 
-    def start(self, actor: Actor, key: str) -> None:
-        """Starts supervising `actor` under the name `key` (e.g. `generator[demo]`)."""
-        actor.key = key
-        state = ActorState(actor, key, alive=True)
-        self.states[key] = state
+    def start(self, actor: Actor) -> None:
+        """Starts supervising `actor` under its key (e.g. `generator[demo]`, given when it was built)."""
+        state = ActorState(actor, actor.key, alive=True)
+        self.states[actor.key] = state
         self._nursery.start_soon(self._supervise, state)
 
     def stop(self, key: str) -> None:

@@ -1,5 +1,7 @@
-"""The cache manager's KV events (a part of `PrefixCacheManager`): what its arena's hash entries
-did, in the arena's own order, handed to the replica's `KVEventPublisher` once per message handled.
+"""The cache manager's KV events (a part `PrefixCacheManager` holds, when `[kv_events]` is on): what
+its arena's hash entries did, in the arena's own order, handed to the replica's `KVEventPublisher`
+once per message handled. It owns what was announced and the journal the arena writes; the arena
+is the manager's, handed in by each call (a restart makes a fresh one, which journals here too).
 
 Order is a property of the arena, not of message timing: the arena journals every hash entry it
 makes (`commit`) or erases (an eviction in `allocate_evicting`, `clear`) as it happens, and the
@@ -22,54 +24,49 @@ from __future__ import annotations
 from mmserve.cache.kv_event_records import AllCleared, BlocksRemoved, runs, stored_blocks
 
 
-class KVEventSide:
-    """PrefixCacheManager methods: KV events. `events` is the replica's publisher (None: off)."""
+class KVEventSource:
+    """One model's source of events on the replica's publisher (`publisher.sources` counts them)."""
 
-    events = None
-
-    def attach_events(self, publisher) -> None:
-        """Publishes this manager's events on `publisher` from now on (before the actor starts)."""
-        self.events = publisher
+    def __init__(self, publisher, block_size: int):
+        self.publisher = publisher
+        self.block_size = block_size
         publisher.sources += 1
         self._announced: dict[bytes, int] = {}  # block hash → routing id, for blocks announced
         self._routing: dict = {}  # block hash → StoredBlock, from the commits of the message being handled
-        self._journal: list = []
+        self._journal: list = []  # (kind, block, hash) as the arena made or erased its entries
         self._generation = publisher.generation
-        self.arena.journal = self._journal
 
-    def _events_reset(self) -> None:
-        """The arena was made afresh (`_reset`): every announcement is void."""
-        if self.events is None:
-            return
-        self._journal.clear()
-        self._routing.clear()
-        self.arena.journal = self._journal
-        self._withdraw_all()
+    def watch(self, arena, fresh: bool = False) -> None:
+        """`arena` journals its hash entries here from now on. `fresh`: it replaces an arena whose
+        entries were announced (a reset after a fault): every announcement is void, withdrawn."""
+        if fresh:
+            self._journal.clear()
+            self._routing.clear()
+            self._withdraw_all()
+        arena.journal = self._journal
 
-    def _note_commit(self, msg) -> None:
-        """The token ids of a commit's blocks, for their announcement (read in `_flush_events`). Blocks
-        of the request's cached prefix that are cached and were never announced (restored from the
+    def note_commit(self, arena, msg) -> None:
+        """The token ids of a commit's blocks, for their announcement (read in `flush`). Blocks of
+        the request's cached prefix that are cached and were never announced (restored from the
         shared tier, or forgotten by routers after a dropped batch) are announced now, first."""
-        if self.events is None or msg.routing is None:
+        if msg.routing is None:
             return
         blocks = stored_blocks(msg.routing, self.block_size)
         self._routing.update(blocks)
         committing = {h for _, h in msg.blocks}
         for h in blocks:
-            block = self.arena.block_of(h)
+            block = arena.block_of(h)
             if h not in committing and h not in self._announced and block is not None:
                 self._journal.append(("stored", block, h))
 
-    def _flush_events(self, reset: bool = False) -> None:
+    def flush(self, arena, reset: bool = False) -> None:
         """The journal since the last flush, as one batch: stored blocks in chained runs, removals of
         announced blocks. `reset`: an admin cache reset — all cleared when nothing is cached."""
-        if self.events is None:
-            return
         if not (self._journal or reset):  # nothing cached or evicted (commits of blocks cached already)
             self._routing.clear()
             return
-        if self.events.generation != self._generation:  # a batch was dropped: the router forgot it all
-            self._generation = self.events.generation
+        if self.publisher.generation != self._generation:  # a batch was dropped: the router forgot it all
+            self._generation = self.publisher.generation
             self._announced.clear()
         entries, out, stored = list(self._journal), [], []
         self._journal.clear()
@@ -91,24 +88,22 @@ class KVEventSide:
                 out.append(BlocksRemoved((gone,)))
         out += runs(stored, self.block_size)
         self._routing.clear()
-        if reset and self.events.sources == 1 and self.arena.num_cached() == 0:
+        if reset and self.publisher.sources == 1 and arena.num_cached() == 0:
             out = [AllCleared()]
         if out:
-            self.events.publish(out)
+            self.publisher.publish(out)
 
     def _withdraw_all(self) -> None:
-        if self.events.sources == 1:
+        if self.publisher.sources == 1:
             self._announced.clear()
-            self.events.publish([AllCleared()])
+            self.publisher.publish([AllCleared()])
         elif self._announced:
             gone = tuple(self._announced.values())
             self._announced.clear()
-            self.events.publish([BlocksRemoved(gone)])
+            self.publisher.publish([BlocksRemoved(gone)])
 
-    def detach_events(self) -> None:
+    def close(self, arena) -> None:
         """The model is unloaded (its `fail_in_flight` reset the arena: what it announced is
         withdrawn already): it publishes no more."""
-        if self.events is not None:
-            self.events.sources -= 1
-            self.events = None
-            self.arena.journal = None
+        self.publisher.sources -= 1
+        arena.journal = None
