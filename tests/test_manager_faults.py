@@ -128,7 +128,7 @@ async def test_a_manager_fault_at_a_resume_fails_the_holder_and_the_preempted_on
 async def test_a_step_of_a_dead_manager_life_writes_nothing(demo_config):
     """After a manager restart its fresh bookkeeping may give any block to a shared-tier restore
     at once (written on the compute thread). A step that starts after the restart must not write
-    the void tables of the earlier life: the arena's epoch moved (as `_reset` moves it), so the
+    the void tables of the earlier life: the write fence's epoch moved (as `_reset` moves it), so the
     sequence fails with a 503 and its blocks keep what they held."""
     async with Runtime.open(demo_config) as rt:
         model = rt.registry.require("demo")
@@ -140,7 +140,8 @@ async def test_a_step_of_a_dead_manager_life_writes_nothing(demo_config):
                     if snapshot is None:
                         seq = generator.seqs[0]
                         blocks, steps = list(seq.table), generator.steps
-                        kv.epoch = seq.epoch + 1  # what the restarted manager's `_reset` does
+                        # what the restarted manager's `_reset` does (its quarantine aside)
+                        generator.runner.fence.new_epoch(seq.epoch + 1, lambda writer: None)
                         # a step that was already running when the epoch moved may still write: once
                         # it is done, no later step writes these blocks
                         await wait_until(lambda: generator.steps > steps or not generator.seqs, 5,

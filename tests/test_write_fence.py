@@ -8,7 +8,6 @@ the case that used to depend on one."""
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +31,8 @@ def no_faults_after():
 
 
 def test_a_writer_in_flight_at_a_new_epoch_is_listed_with_its_blocks_and_reports_its_return():
-    fence = WriteFence(SimpleNamespace(epoch=1))
+    fence = WriteFence()
+    assert fence.new_epoch(1, lambda w: pytest.fail("reported")) == []  # no writer yet
     returned, inside, leave = [], threading.Event(), threading.Event()
     seen = {}
 
@@ -57,10 +57,26 @@ def test_a_writer_in_flight_at_a_new_epoch_is_listed_with_its_blocks_and_reports
 
 
 def test_a_writer_that_left_before_the_new_epoch_is_not_fenced():
-    fence = WriteFence(SimpleNamespace(epoch=None))
+    fence = WriteFence()
     with fence.writing(lambda: [1]) as epoch:
-        assert epoch is None
+        assert epoch is None  # no manager tracks the arena yet
     assert fence.new_epoch(1, lambda w: pytest.fail("reported")) == []
+
+
+def test_a_write_granted_in_an_earlier_life_is_refused_by_the_epoch_it_names():
+    """A restore names the life its blocks were granted in; the fence compares it with its own
+    under its lock, at the writer's entry: an earlier life's restore writes nothing, even one
+    that reaches the fence the instant after the new life began."""
+    fence = WriteFence()
+    fence.new_epoch(1, lambda w: pytest.fail("reported"))
+    with fence.writing_granted(1, lambda: [5]) as granted:
+        assert granted and fence.writers() == 1  # registered while it writes: a new life would fence it
+    fence.new_epoch(2, lambda w: pytest.fail("reported"))
+    with fence.writing_granted(1, lambda: [5]) as granted:
+        assert not granted
+    with fence.writing_granted(2, lambda: [5]) as granted:
+        assert granted
+    assert fence.writers() == 0
 
 
 async def test_a_manager_restart_during_a_step_quarantines_what_the_step_may_write(demo_config, monkeypatch):

@@ -83,7 +83,7 @@ class StepBuilding:
         loop while the step before it runs). A failure of one sequence's own work fails it alone."""
         b = StepBuild([None] * len(plan))
         for i, p in enumerate(plan):
-            if p.seq.epoch is not None and self.kv.epoch is not None and p.seq.epoch != self.kv.epoch:
+            if p.seq.epoch is not None and self.runner.epoch is not None and p.seq.epoch != self.runner.epoch:
                 # its table belongs to a dead life of the cache manager, which may have given those
                 # blocks to a shared-tier restore already: it writes nothing (and fails)
                 b.results[i] = ServiceUnavailable("the KV cache of this model was restarted while the request "

@@ -96,7 +96,7 @@ class ModelRunner:
         self.backend.check(features)
         static = self.backend.capturable
         self.kv = KVArena.for_model(adapter, kv_budget_bytes, block_size, spare_blocks=1 if static else 0)
-        self.fence = WriteFence(self.kv)  # every write of the arena happens inside `fence.writing`
+        self.fence = WriteFence()  # every write of the arena happens inside it (`fence.writing`)
         self.block_size = block_size
         use_paged_attention(adapter)
         limit = int(getattr(adapter.text_config, "max_position_embeddings", 0) or 1 << 30)
@@ -159,9 +159,9 @@ class ModelRunner:
 
     @property
     def epoch(self) -> int | None:
-        """The cache manager's life whose tables may write the arena (`KVArena.epoch`; moved only
+        """The cache manager's life whose tables may write the arena (the write fence's; moved only
         by `fence.new_epoch`)."""
-        return self.kv.epoch
+        return self.fence.epoch
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -177,11 +177,12 @@ class ModelRunner:
     def copy_block(self, src: int, dst: int) -> None:
         self.kv.copy_block(src, dst)
 
-    def write_blocks(self, blocks: Sequence[int], tensors: Sequence[torch.Tensor], epoch: int | None = None) -> bool:
+    def write_blocks(self, blocks: Sequence[int], tensors: Sequence[torch.Tensor], epoch: int) -> bool:
         """A shared-tier restore (on the compute thread: between steps) into `blocks`, granted in
-        the manager's life `epoch`: False, writing nothing, when a later life has begun."""
-        with self.fence.writing(lambda: blocks) as now:
-            if epoch is not None and now != epoch:
+        the manager's life `epoch`: the write fence refuses it — False, nothing written — when a
+        later life has begun."""
+        with self.fence.writing_granted(epoch, lambda: blocks) as granted:
+            if not granted:
                 return False
             self.kv.write_blocks(blocks, tensors)
         return True

@@ -68,9 +68,6 @@ class KVArena:
         self.scratch_slot = self.num_blocks * self.block_size if spare_blocks else None
         self.dtype = keys[0].dtype
         self.device = keys[0].device
-        # the cache manager's life whose block tables may write here (None: not tracked); a step of
-        # sequences granted blocks in another life writes nothing (their tables are void)
-        self.epoch: int | None = None
 
     @classmethod
     def allocate(cls, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
