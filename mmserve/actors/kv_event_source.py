@@ -1,7 +1,7 @@
 """The cache manager's KV events (a part `PrefixCacheManager` holds, when `[kv_events]` is on): what
 its arena's hash entries did, in the arena's own order, handed to the replica's `KVEventPublisher`
-once per message handled. It owns what was announced and the journal the arena writes; the arena
-is the manager's, handed in by each call (a restart makes a fresh one, which journals here too).
+once per message handled. It owns what was announced and the journal the manager's arena writes
+into (`BlockArena(journal=...)`); the arena is the manager's, handed in by each call that reads it.
 
 Order is a property of the arena, not of message timing: the arena journals every hash entry it
 makes (`commit`) or erases (an eviction in `allocate_evicting`, `clear`) as it happens, and the
@@ -30,20 +30,24 @@ class KVEventSource:
     def __init__(self, publisher, block_size: int):
         self.publisher = publisher
         self.block_size = block_size
-        publisher.sources += 1
+        publisher.add_source()
         self._announced: dict[bytes, int] = {}  # block hash → routing id, for blocks announced
         self._routing: dict = {}  # block hash → StoredBlock, from the commits of the message being handled
         self._journal: list = []  # (kind, block, hash) as the arena made or erased its entries
         self._generation = publisher.generation
 
-    def watch(self, arena, fresh: bool = False) -> None:
-        """`arena` journals its hash entries here from now on. `fresh`: it replaces an arena whose
-        entries were announced (a reset after a fault): every announcement is void, withdrawn."""
-        if fresh:
-            self._journal.clear()
-            self._routing.clear()
-            self._withdraw_all()
-        arena.journal = self._journal
+    @property
+    def journal(self) -> list:
+        """Where the manager's arena journals its hash entries (`BlockArena(journal=...)`), every
+        arena of every life: (kind, block, hash), read by `flush`."""
+        return self._journal
+
+    def new_arena(self) -> None:
+        """The manager replaces its arena (a reset after a fault): every announcement is void,
+        withdrawn, and the journal starts empty."""
+        self._journal.clear()
+        self._routing.clear()
+        self._withdraw_all()
 
     def note_commit(self, arena, msg) -> None:
         """The token ids of a commit's blocks, for their announcement (read in `flush`). Blocks of
@@ -102,8 +106,8 @@ class KVEventSource:
             self._announced.clear()
             self.publisher.publish([BlocksRemoved(gone)])
 
-    def close(self, arena) -> None:
+    def close(self) -> None:
         """The model is unloaded (its `fail_in_flight` reset the arena: what it announced is
         withdrawn already): it publishes no more."""
-        self.publisher.sources -= 1
-        arena.journal = None
+        self.publisher.remove_source()
+        self._journal.clear()

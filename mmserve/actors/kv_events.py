@@ -74,6 +74,14 @@ class KVEventPublisher:
         self.log.info("kv_events.started", endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
                       topic=self.config.topic, encoding=config.encoding)
 
+    def add_source(self) -> None:
+        """A cache manager publishes here from now on (one per loaded model)."""
+        self.sources += 1
+
+    def remove_source(self) -> None:
+        """A cache manager publishes no more (its model was unloaded)."""
+        self.sources -= 1
+
     def publish(self, events: list) -> bool:
         """Hands a batch to the publisher thread without waiting; False when the queue was full (the
         batch is dropped, counted, and every announcement so far is void: see the module's doc)."""

@@ -94,15 +94,15 @@ class PrefixCacheManager(Actor):
     def _reset(self) -> None:
         """Fresh bookkeeping (at start, and after a crash: never trust half-done state). The epoch
         tells the generator that every block table it holds died with the old one."""
-        self.arena = BlockArena(self.num_blocks)
+        if self.events is not None and self.epoch > 0:  # KV events: what routers were told of the old arena is void
+            self.events.new_arena()
+        self.arena = BlockArena(self.num_blocks, journal=self.events.journal if self.events is not None else None)
         self.inflight: InFlightBlocks[Lookup] = InFlightBlocks()
         self.remote: dict[str, tuple[Lookup, int, float | None]] = {}  # lookups asking the shared tier
         self.looked_up: set[str] = set()  # requests whose lookup came, until their Release
         self.ledger.new_life()
         self.epoch += 1
         self.quarantine.hold_in(self.arena)  # an abandoned step writes on, whatever life this is
-        if self.events is not None:  # KV events: what routers were told of an old arena is void
-            self.events.watch(self.arena, fresh=self.epoch > 1)
         if self.runner is not None:  # a writer of the arena still in flight writes on too: held until it returns
             self.quarantine.fence_writers(self.arena, self.runner.fence, self.epoch,
                                           step_returned_sender(self.inbox_send))
@@ -429,8 +429,9 @@ class PrefixCacheManager(Actor):
         """The model is unloaded (its `fail_in_flight` reset the arena: what it announced is
         withdrawn already): it publishes no more KV events."""
         if self.events is not None:
-            self.events.close(self.arena)
+            self.events.close()
             self.events = None
+            self.arena.journal = None
 
     def stats(self) -> dict:
         s = self.arena.stats()
