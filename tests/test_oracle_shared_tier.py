@@ -61,6 +61,6 @@ def test_replicas_on_one_redis_answer_as_cache_off(replicas, workload):
 def test_the_replicas_restored_from_redis(replicas):
     """(After the oracle above: its turns did cross replicas through Redis.)"""
     rts, _, _ = replicas
-    restored = sum(model.prefix_cache.shared_restored for rt in rts for model in rt.runtime.registry.loaded.values())
+    restored = sum(model.prefix_cache.stats()["shared_restored_blocks"] for rt in rts for model in rt.runtime.registry.loaded.values())
     encoder_hits = sum(model.encoder.shared_hits for rt in rts for model in rt.runtime.registry.loaded.values())
     assert restored > 0 and encoder_hits > 0

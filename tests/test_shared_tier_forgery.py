@@ -183,7 +183,7 @@ async def test_forged_and_nan_kv_blocks_are_misses(demo_config, client, forgery)
         assert cached > 0 and stats["block_hits"] == len(victim)
         return
     assert (text, cached) == ("white", 0)
-    assert stats["block_hits"] == 0 and b.registry.require("demo").prefix_cache.shared_restored == 0
+    assert stats["block_hits"] == 0 and b.registry.require("demo").prefix_cache.stats()["shared_restored_blocks"] == 0
     reason = "non_finite" if forgery.startswith("nan") else "mac"
     assert stats["rejected"][reason] >= 1 and sum(stats["rejected"].values()) == stats["rejected"][reason]
     # the first refused block was deleted or rewritten; none of what is left under the chain is a forgery

@@ -42,22 +42,20 @@ from __future__ import annotations
 
 import trio
 
-from mmserve.actors import compute
 from mmserve.actors.base import Actor
-from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.kv_event_source import KVEventSource
 from mmserve.actors.messages import (
     ClearCache, Commit, Draw, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Quarantine, Release,
     Reservation, Resume, Resumed, StepReport, StepReturned, copy_pin, lookup_pin)
 from mmserve.actors.reservation_ledger import ReservationLedger, send as _send
+from mmserve.actors.shared_kv import SharedKV
 from mmserve.actors.step_fences import step_returned_sender
 from mmserve.actors.step_quarantine import StepQuarantine
-from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
+from mmserve.actors.kv_messages import SharedBlocks
 from mmserve.cache.block_arena import BlockArena
 from mmserve.cache.inflight import InFlightBlocks
 from mmserve.cache.keys import key_prefix
-from mmserve.cache.shared_values import KIND_KV_BLOCK, block_key
 from mmserve.config import KVCacheConfig
 from mmserve.errors import MMServeError
 
@@ -83,9 +81,10 @@ class PrefixCacheManager(Actor):
         self.dedup_waits = 0  # lookups that waited for another request's blocks
         self.epoch = 0
         self.generator = generator
-        self.shared = shared
         self.runner = runner
-        self.shared_restored = 0  # blocks restored from the shared tier
+        if shared is not None and runner is None:
+            raise ValueError("a shared tier needs the model runner: restores and exports go through it")
+        self.shared = SharedKV(shared, runner, self.log, self.key) if shared is not None else None
         self.ledger = ReservationLedger(num_blocks, self.log)
         self.quarantine = StepQuarantine(num_blocks, self.log)  # kept across restarts
         self.events = KVEventSource(events, self.block_size) if events is not None else None
@@ -98,9 +97,10 @@ class PrefixCacheManager(Actor):
             self.events.new_arena()
         self.arena = BlockArena(self.num_blocks, journal=self.events.journal if self.events is not None else None)
         self.inflight: InFlightBlocks[Lookup] = InFlightBlocks()
-        self.remote: dict[str, tuple[Lookup, int, float | None]] = {}  # lookups asking the shared tier
         self.looked_up: set[str] = set()  # requests whose lookup came, until their Release
         self.ledger.new_life()
+        if self.shared is not None:  # lookups asking the shared tier
+            self.shared.new_life()
         self.epoch += 1
         self.quarantine.hold_in(self.arena)  # an abandoned step writes on, whatever life this is
         if self.runner is not None:  # a writer of the arena still in flight writes on too: held until it returns
@@ -245,7 +245,8 @@ class PrefixCacheManager(Actor):
             registered = self.inflight.register(rid, hashes[len(blocks):])
             self.log.info("prefix_cache.prepare", request_id=rid, blocks=len(hashes) - len(blocks),
                           registered=registered)
-            if self._ask_shared(msg, len(blocks), waited_since):
+            if self.shared is not None and self.shared.ask(msg, len(blocks), waited_since, self.epoch,
+                                                           self.inbox_send):
                 return  # answered when the shared tier's answer comes (SharedBlocks)
         self._answer(msg, waited_since)
 
@@ -278,7 +279,8 @@ class PrefixCacheManager(Actor):
 
     def _done(self, request_id: str) -> None:
         """`request_id` computes nothing more: lookups parked on it are answered again."""
-        self.remote.pop(request_id, None)  # a shared-tier answer for it comes too late: dropped
+        if self.shared is not None:  # a shared-tier answer for it comes too late: dropped
+            self.shared.drop(request_id)
         for parked in self.inflight.done(request_id):
             self._relook(parked)
 
@@ -333,7 +335,7 @@ class PrefixCacheManager(Actor):
                           new_blocks=len(new), block_ids=[table[i] for i, _ in new],
                           hashes=[key_prefix(h) for _, h in new])
             if new and self.shared is not None:
-                self._export(table, new)
+                self.shared.export(table, new)
         self._done(msg.request_id)
 
     def _release(self, msg: Release) -> None:
@@ -352,30 +354,17 @@ class PrefixCacheManager(Actor):
         self.log.info("prefix_cache.release", request_id=rid)
         self._done(rid)
 
-    # -- the shared tier (Redis) under the arena ------------------------------------------------------
-
-    def _ask_shared(self, msg: Lookup, local: int, waited_since: float | None) -> bool:
-        """A local miss goes on in the shared tier: the hashes after the local hit are asked for, the
-        answer (SharedBlocks, within the tier's deadline) restores them. False when the tier is off."""
-        tier, runner = self.shared, self.runner
-        if tier is None or runner is None or not tier.active():
-            return False
-        self.remote[msg.request_id] = (msg, local, waited_since)
-        tier.inbox_send.send_nowait(FetchBlocks(msg.request_id, msg.hashes[local:], runner.dtype, runner.block_shape,
-                                                self.epoch, self.inbox_send))
-        return True
-
     async def _restore(self, answer: SharedBlocks) -> None:
         """The blocks the tier found are given to the request (allocated here, like any block), their
         KV written into them, and committed: its lookup is answered with the longer prefix."""
-        pending = self.remote.pop(answer.request_id, None)
-        if pending is None or answer.epoch != self.epoch:
+        pending = self.shared.answered(answer, self.epoch)
+        if pending is None:
             return  # the request went on without it (or ended), or the arena restarted
         msg, local, waited_since = pending
         rid, pin, restored = msg.request_id, lookup_pin(msg.request_id), 0
         if answer.blocks and len(self.arena.table(pin)) == local:
             try:
-                restored = await self._write_restored(pin, msg.hashes, local, answer.blocks)
+                restored = await self.shared.restore(self.arena, pin, msg.hashes, local, answer.blocks, self.epoch)
             except Exception as e:  # a miss, never a failed request: the fresh blocks are dropped
                 self.arena.check_invariants()
                 self.arena.truncate(pin, local)
@@ -383,42 +372,11 @@ class PrefixCacheManager(Actor):
                                error=f"{type(e).__name__}: {e}", exc_info=e)
         self._answer(msg, waited_since, restored)
 
-    async def _write_restored(self, pin: str, hashes, local: int, tensors) -> int:
-        """Fresh blocks for the found KV, written on the compute thread inside the runner's write
-        fence: a writer of an earlier life still in flight holds its blocks in quarantine (so they
-        cannot be these), and the restore writes nothing if this life ends before it starts."""
-        n = min(len(tensors), self.arena.num_free())
-        taken = self.arena.allocate_evicting(pin, n)
-        if evicted := [(b, h) for b, h in taken if h is not None]:
-            self.log.info("prefix_cache.evict", request_id=pin, blocks=[b for b, _ in evicted],
-                          hashes=[key_prefix(h) for _, h in evicted])
-        written = await compute.run(self.runner.write_blocks, [block for block, _ in taken], tensors[:n], self.epoch,
-                                    owner=self.key)
-        if not written:  # this life ended meanwhile (its tables went with it): nothing was written
-            raise RuntimeError("the cache manager restarted during the restore")
-        for i in range(n):
-            self.arena.commit(pin, local + i, hashes[local + i])
-        self.shared_restored += n
-        self.log.info("prefix_cache.shared_restore", request_id=pin, blocks=[b for b, _ in taken],
-                      hashes=[key_prefix(h) for h in hashes[local:local + n]], found=len(tensors))
-        return n
-
-    def _export(self, table: tuple[int, ...], new: list[tuple[int, bytes]]) -> None:
-        """Newly committed blocks go to the shared tier, once: their KV is copied out now, while the
-        committing request still references them (no one can be writing them), and written to
-        Redis in the background."""
-        if self.runner is None or not self.shared.active():
-            return
-        with single_threaded():
-            data = self.runner.read_blocks([table[i] for i, _ in new])  # [2, L, n, ...]
-        for j, (_, h) in enumerate(new):
-            self.shared.put_soon(KIND_KV_BLOCK, block_key(h), data[:, :, j])
-
     def fail_in_flight(self, error: MMServeError) -> int:
         failed = super().fail_in_flight(error)
         for parked in self.inflight.clear():  # answered as misses: nothing of this arena is trusted
             _send(parked.payload.reply, LookupResult(parked.waiter, (), 0.0, self.epoch + 1))
-        for lookup, _, _ in self.remote.values():
+        for lookup in self.shared.waiting() if self.shared is not None else ():
             _send(lookup.reply, LookupResult(lookup.request_id, (), 0.0, self.epoch + 1))
         self._reset()  # references of requests that will never finish go with the bookkeeping
         if self.generator is not None:  # at once, not at the restart: it stops writing the void tables now
@@ -441,5 +399,5 @@ class PrefixCacheManager(Actor):
                     refused_draws=self.ledger.refused_draws, block_size=self.block_size, waiting_lookups=len(self.inflight),
                     inflight_blocks=self.inflight.registered_blocks, dedup_waits=self.dedup_waits,
                     hit_tokens=s.hit_blocks * self.block_size, query_tokens=s.queries_blocks * self.block_size,
-                    shared_restored_blocks=self.shared_restored, quarantined_blocks=self.quarantine.blocks,
+                    shared_restored_blocks=self.shared.restored if self.shared is not None else 0, quarantined_blocks=self.quarantine.blocks,
                     quarantined_steps=len(self.quarantine))
