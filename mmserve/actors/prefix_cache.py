@@ -33,9 +33,10 @@ refills still on their way); a restart voids the reservation with every table of
 
 The manager is wired at construction and holds its parts as objects, each the one owner of its
 state: its `ReservationLedger` (the generator's reservation: lease, reports, refused draws), its
-`StepQuarantine` (blocks abandoned steps may still write) and, with `[kv_events]`, its
-`KVEventSource` (what routers were told). The arena and the life (epoch) are the manager's; a part
-is handed them by each call, never the manager.
+`StepQuarantine` (blocks abandoned steps may still write), with `[kv_events]` its `KVEventSource`
+(what routers were told), and with `[shared_cache]` its `SharedKV` (lookups asking the shared
+tier, restores, exports). The arena and the life (epoch) are the manager's; a part is handed them
+by each call, never the manager.
 """
 
 from __future__ import annotations
