@@ -19,7 +19,9 @@ class Actor(ABC):
 
     `run()` is restarted by the supervisor when it raises; the inbox survives restarts, so queued
     messages are not lost. Requests the actor holds when it dies are failed by the supervisor via
-    `fail_in_flight`.
+    `fail_in_flight`. An actor is wired at construction — every channel, runner and shared resource
+    it uses is an argument of its `__init__` — and nothing is set on it from outside afterwards (a
+    restart runs the same actor, with the same wiring; see `runtime.model_actors`).
     """
 
     name = "actor"
