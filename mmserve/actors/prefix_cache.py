@@ -44,7 +44,7 @@ from mmserve.actors.compute import single_threaded
 from mmserve.actors.faults import afault
 from mmserve.actors.kv_event_side import KVEventSide
 from mmserve.actors.messages import (
-    ClearCache, Commit, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release, Resume, Resumed,
+    ClearCache, Commit, FinishFlushed, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Release, Resume, Resumed,
     StepFence, StepReport, StepReturned, copy_pin, lookup_pin)
 from mmserve.actors.shared_tier import FetchBlocks, SharedBlocks
 from mmserve.cache.block_arena import BlockArena
@@ -293,12 +293,12 @@ class PrefixCacheManager(ReservationSide, QuarantineSide, KVEventSide, Actor):
         self._done(msg.request_id)
 
     def _release(self, msg: Release) -> None:
-        if msg.finish is not None:  # first: the answer ends even if the bookkeeping below raises
-            handle, event = msg.finish  # its commits (earlier in this inbox) are queued for Redis by now
+        if msg.flushed is not None:  # first: the answer ends even if the bookkeeping below raises
+            done = FinishFlushed(msg.request_id)  # its commits (earlier in this inbox) are queued for Redis by now
             if self.shared is not None:
-                self.shared.deliver_after_writes(handle, event)
+                self.shared.notify_after_writes(msg.flushed, done)
             else:
-                handle.emit(event)
+                _send(msg.flushed, done)
         rid = msg.request_id
         self.arena.free(rid)
         self.broken.discard(rid)  # it holds nothing: its next table starts afresh

@@ -181,7 +181,10 @@ class Runtime:
                              deterministic=rt.deterministic)
         runner.kv_budget_from = budget.why  # for the load log line
         manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks)
-        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap)
+        shared = self.config.shared_cache  # with a shared tier, a finish waits for its blocks to be there
+        flush_s = shared.finish_flush_ms / 1000 if shared.enabled and manager.caching and shared.finish_flush_ms else None
+        generator = Generator(adapter, manager.inbox_send, runner, kv, gen, self.metrics, overlap=rt.overlap,
+                              finish_flush_s=flush_s)
         manager.generator = generator.inbox_send
         manager.attach_kv(runner)  # the epoch fence is on with or without a shared tier
         if self.kv_events is not None and manager.caching:
