@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from mmserve.actors.messages import PromptLogprob
 from mmserve.actors.sequence import Sequence
-from mmserve.engine.step_inputs import PromptRows, scores_prompt  # noqa: F401 (the rows a step scores: built with the step)
+from mmserve.engine.step_inputs import scores_prompt  # (the rows a step scores are built with the step)
 
 
 def scored_blocks(seq: Sequence, block_size: int) -> int | None:
