@@ -112,7 +112,8 @@ def test_a_waiting_hit_gives_its_blocks_back_before_a_running_sequence():
     its pinned prefix) before the newest running one: the waiting one was not running anyway."""
     from types import SimpleNamespace
 
-    from mmserve.actors.block_grants import BlockGrants
+    from mmserve.actors.block_grants import newest_holder
+    from mmserve.actors.generator import Generator
     from mmserve.actors.sequence import SeqState
     from mmserve.generation.scheduler import FIFO
 
@@ -124,9 +125,9 @@ def test_a_waiting_hit_gives_its_blocks_back_before_a_running_sequence():
     gen = SimpleNamespace(seqs=[waiting_old, running_new], preemptions=0, metrics=None, ranking=FIFO,
                           _release=lambda s, final=True: released.append((s.request_id, final)),
                           log=SimpleNamespace(info=lambda *a, **k: None))
-    victim = BlockGrants._newest_holder(gen)
+    victim = newest_holder(gen.seqs, FIFO)
     assert victim is waiting_old
-    BlockGrants._preempt(gen, victim)
+    Generator._preempt(gen, victim)
     assert released == [("hit", False)] and waiting_old.kv_len == 0
 
 

@@ -1,5 +1,5 @@
 """Every admitted request makes progress (issue 42 item 2): the generator's grant logic
-(`actors.block_grants`, `Generator._plan`, `_release`) against a real `PrefixCacheManager` on its
+(`actors.block_grants`, `Generator._plan`, `_preempt`, `_release`) against a real `PrefixCacheManager` on its
 own message loop, with random prompt lengths, bidirectional spans (Gemma 3's images: never split,
 possibly larger than the step budget or the reserve's usual cap), step budgets, arena sizes and
 answer lengths. The model's forward is the only part left out: a step moves each planned
@@ -20,6 +20,8 @@ import trio.testing
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from mmserve.actors.block_grants import BlockGrants
+from mmserve.actors.step_overlap import StepOverlap
+from mmserve.generation.scheduler import FIFO
 from mmserve.actors.generator import Generator
 from mmserve.actors.messages import Refill
 from mmserve.actors.prefix_cache import PrefixCacheManager
@@ -86,29 +88,45 @@ class LateInbox:
         self.queued = []
 
 
-class Grants(BlockGrants):
-    """The generator's grant side, on the generator's own planning and release code."""
+class Grants:
+    """The generator's grant side (`BlockGrants`), driven by the generator's own planning,
+    preemption, release and epoch code."""
 
     _plan = Generator._plan
+    _make_room = Generator._make_room
+    _displace = Generator._displace
+    _preempt = Generator._preempt
     _release = Generator._release
-    _hold_release = Generator._hold_release  # (serial steps here: no step is in flight)
+    _check_epoch = Generator._check_epoch
 
     def __init__(self, manager: PrefixCacheManager, config: GeneratorConfig, block_size: int, late: bool = False):
         self.cache_manager = LateInbox(manager.inbox_send) if late else manager.inbox_send
         self.inbox_send, self.inbox = trio.open_memory_channel(math.inf)
         self.config, self.block_size = config, block_size
-        self.kv = manager  # num_blocks
-        self.kv_epoch = None
-        self.seqs: list[Seq] = []
         self.log = get_logger("generator")
-        self.metrics, self.preemptions, self.resumed_blocks = None, 0, 0
-        self._flying = {}
+        self.grants = BlockGrants(self.cache_manager, self.inbox_send, config, block_size, manager.num_blocks, self.log)
+        # (serial steps here: no step is in flight, no release is held)
+        self.overlap = StepOverlap(False, None, None, self.grants, block_size, math.inf)
+        self.seqs: list[Seq] = []
+        self.ranking = FIFO
+        self.metrics, self.preemptions = None, 0
+
+    def _granted(self, plan):
+        return self.grants.granted(plan, self.seqs, self.ranking, self._preempt)
+
+    def _report(self, plan=()):
+        self.grants.report(self.seqs, self.ranking, plan)
+
+    def _refilled(self, msg: Refill) -> None:  # as `Generator._on_message` takes one
+        if self.grants.epoch is None or msg.epoch > self.grants.epoch:
+            self._check_epoch(msg.epoch)
+        self.grants.refilled(msg)
 
     def _fail(self, seq, exc, stage):  # (only a dead manager life fails a sequence: none here)
         raise AssertionError(f"{seq.request_id} failed in {stage}: {exc}")
 
     def _prune(self):
-        self.seqs = [s for s in self.seqs if s.state in LIVE]
+        self.seqs[:] = [s for s in self.seqs if s.state in LIVE]
 
     def take(self) -> None:
         while True:

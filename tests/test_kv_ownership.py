@@ -116,7 +116,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.known_epoch: int | None = None  # the latest manager life the generator has heard of
         self.scope: trio.CancelScope | None = None
-        # the generator's side of the reservation (`block_grants.GrantBook`)
+        # the generator's side of the reservation (`block_grants.BlockGrants`)
         self.lease = 0
         self.reserve: list[int] = []
         self.numbers = itertools.count()
@@ -196,7 +196,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         return [r for r in self.reqs.values() if r.stage == "generator"]
 
     def _new_lease(self):
-        """Only when no live request holds an unreported draw (`BlockGrants._new_lease`): those go."""
+        """Only when no live request holds an unreported draw (`BlockGrants.new_lease`): those go."""
         assert not any(r.pending and r.table for r in self.live() if r.epoch == self.known_epoch), \
             "a lease dropped under a live request's unreported draws"
         self.lease += 1

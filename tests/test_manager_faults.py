@@ -132,7 +132,7 @@ async def test_a_step_of_a_dead_manager_life_writes_nothing(demo_config):
     sequence fails with a 503 and its blocks keep what they held."""
     async with Runtime.open(demo_config) as rt:
         model = rt.registry.require("demo")
-        generator, kv = model.generator, model.generator.kv
+        generator, kv = model.generator, model.generator.arena
         error, snapshot = None, None
         try:
             async with rt.chat(LONG, temperature=0, max_tokens=60, min_tokens=60) as long_answer:

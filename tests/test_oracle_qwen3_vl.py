@@ -56,7 +56,7 @@ def runtimes(demo_config, q3_dir):
 def test_the_arena_holds_80_blocks_of_each_model(runtimes):
     on, _ = runtimes
     for model in ("q3", "demo"):
-        assert loaded(on, model).generator.kv.num_blocks == 80, model
+        assert loaded(on, model).generator.arena.num_blocks == 80, model
 
 
 # 12 examples, not 25 (the suite's 10-minute budget): the concurrent test beside it and the strict
@@ -116,7 +116,7 @@ def test_concurrent_requests_in_a_tiny_arena_preempt_and_stay_exact(runtimes):
 def test_the_workloads_reached_what_they_test(runtimes):
     """Run last (of this runtime's tests): the workloads above reached what they test."""
     ORACLE.reached_what_it_tests(runtimes, "q3")
-    print("re-encoded after a preemption:", loaded(runtimes[0], "q3").generator.reencoded_images)
+    print("re-encoded after a preemption:", loaded(runtimes[0], "q3").generator.builder.reencoded_images)
 
 
 # -- two replicas on one redis-server ----------------------------------------------------------

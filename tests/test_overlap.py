@@ -15,7 +15,7 @@ import trio
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve import Runtime
-from mmserve.actors import generator as generator_module
+from mmserve.actors import step_executor as executor_module
 from mmserve.bench.stand_in import StandInForward
 from mmserve.errors import MMServeError
 from mmserve.generation.decode_graphs import DecodeBuffers
@@ -124,7 +124,7 @@ async def steps_and_host_work(config, overlap: bool, duration_s: float = 0.06) -
     async with Runtime.open(config.replace(runtime={"overlap": overlap})) as rt:
         loaded = rt.registry.require("demo")
         gen = loaded.generator
-        step, ahead, plan = gen._step, gen._ahead, gen._plan
+        step, ahead, plan = gen.executor.step, gen.overlap._ahead, gen._plan
         index: dict[int, int] = {}  # id(step's plan) -> its call of the stand-in (one forward a step)
 
         kept = []  # every step's plan, so no id is reused
@@ -134,9 +134,9 @@ async def steps_and_host_work(config, overlap: bool, duration_s: float = 0.06) -
             index[id(views)] = len(stand_in.calls)
             return step(views, *rest)
 
-        def timed_ahead(nursery, flight):
+        def timed_ahead(nursery, flight, *rest):
             t0 = time.perf_counter()
-            launched = ahead(nursery, flight)
+            launched = ahead(nursery, flight, *rest)
             if launched is not None:
                 kept.append(flight.views)
                 marks.append((t0, time.perf_counter(), id(flight.views)))
@@ -148,7 +148,7 @@ async def steps_and_host_work(config, overlap: bool, duration_s: float = 0.06) -
             marks.append((t0, time.perf_counter(), None))
             return planned
 
-        gen._step, gen._ahead, gen._plan = counted_step, timed_ahead, timed_plan
+        gen.executor.step, gen.overlap._ahead, gen._plan = counted_step, timed_ahead, timed_plan
         with StandInForward(loaded.adapter, duration_s) as stand_in:
             async with trio.open_nursery() as nursery:
                 for i in range(3):
@@ -184,8 +184,8 @@ async def test_step_launched_ahead_is_built_off_the_compute_thread_and_gathers_i
     unpacked_on: set[str] = set()
     async with Runtime.open(config) as rt:
         gen = rt.registry.require("demo").generator
-        build, forward, unpack = gen._build, gen.runner.forward, DeviceSample.unpack
-        on_device = generator_module.sample_on_device
+        build, forward, unpack = gen.builder.build, gen.runner.forward, DeviceSample.unpack
+        on_device = executor_module.sample_on_device
 
         def recorded_build(plan):
             b = build(plan)
@@ -205,15 +205,15 @@ async def test_step_launched_ahead_is_built_off_the_compute_thread_and_gathers_i
             unpacked_on.add(threading.current_thread().name)
             return unpack(sample)
 
-        gen._build, gen.runner.forward = recorded_build, recorded_forward
-        DeviceSample.unpack, generator_module.sample_on_device = recorded_unpack, recorded_sample
+        gen.builder.build, gen.runner.forward = recorded_build, recorded_forward
+        DeviceSample.unpack, executor_module.sample_on_device = recorded_unpack, recorded_sample
         try:
             async with trio.open_nursery() as nursery:
                 for i in range(3):
                     nursery.start_soon(lambda i=i: rt.chat_completion(question(i), temperature=0, max_tokens=10,
                                                                       min_tokens=10))
         finally:
-            DeviceSample.unpack, generator_module.sample_on_device = unpack, on_device
+            DeviceSample.unpack, executor_module.sample_on_device = unpack, on_device
     ahead = [b for b in builds if b[1]]
     assert len(ahead) >= 5, builds
     for thread, _, prepared, sampling in ahead:

@@ -61,9 +61,9 @@ async def test_a_preempted_request_whose_image_kv_was_evicted_encodes_it_again(t
         got = await ask_again_beside_a_long_answer(rt, model)
         assert got["again"].text == alone.text
         assert got["again"].usage.cached_tokens >= 24
-        assert generator.preemptions >= 1 and generator.reencoded_images >= 1
+        assert generator.preemptions >= 1 and generator.builder.reencoded_images >= 1
         assert rt.metrics.registry.get_sample_value("mmserve:reencoded_images_total", {"model_name": model}) \
-            == generator.reencoded_images
+            == generator.builder.reencoded_images
         await assert_nothing_held(rt)
 
 

@@ -35,7 +35,7 @@ async def test_f3_abort_and_block_reuse_never_corrupt(demo_config):
     """A four-block arena: A's cached block is evicted for C, B leaves before its
     prefill ends; every answer stays right, and what survives of A is still a usable prefix."""
     async with Runtime.open(demo_config) as rt:
-        block_bytes = rt.registry.require("demo").generator.kv.block_bytes
+        block_bytes = rt.registry.require("demo").generator.arena.block_bytes
     config = demo_config.replace(kv_cache={"budget_bytes": 4 * block_bytes}, encoder_cache={"enabled": False})
     img_a = render_image("purple", "square", background="black", seed=50)
     img_b = render_image("yellow", "triangle", background="white", seed=51)

@@ -258,6 +258,31 @@ async def test_a_stalled_redis_delays_an_answer_by_at_most_finish_flush_ms(demo_
         assert tier(a).stats()["finish_flush_late"] >= 1
 
 
+async def test_an_answer_ends_even_if_the_manager_dies_before_saying_its_blocks_are_in_redis(demo_config, redis_url):
+    """The generator alone emits a finish; with a shared tier it holds it until the manager says the
+    blocks the answer committed are in Redis (`FinishFlushed`). The manager dies handling that very
+    Release, so it never says: the answer still ends, whole, `finish_flush_ms` + 1 s after its end
+    at the latest, and the manager is restarted."""
+    from mmserve.actors import faults
+    from mmserve.actors.answers import HeldFinishes
+
+    async with Runtime.open(tier_config(demo_config, redis_url, finish_flush_ms=200.0)) as a:
+        msgs = ask(BLUE, Q_SHAPE)
+        alone, _ = await answer(a, msgs, cache_salt="alone")
+        faults.configure("prefix.release=raise@1")  # the next release the manager handles: this answer's
+        try:
+            t0 = time.monotonic()
+            text, _ = await answer(a, msgs, cache_salt="unflushed")
+            elapsed = time.monotonic() - t0
+        finally:
+            faults.configure(None)
+        assert text == alone
+        # a clock: the backstop's deadline is the behaviour (it never fires while the manager answers)
+        assert 0.2 + HeldFinishes.FLUSH_SLACK_S <= elapsed < 0.2 + HeldFinishes.FLUSH_SLACK_S + 2.0
+        assert a.supervisor.states["prefix_cache[demo]"].restarts == 1
+        assert await answer(a, msgs, cache_salt="after") == (alone, 0)
+
+
 async def test_a_slow_chain_read_keeps_the_blocks_that_arrived_in_time(demo_config, redis_url, monkeypatch):
     """KV blocks are read a chunk at a time (here one block per round trip, each taking 60 ms,
     against a 100 ms deadline): the blocks that arrived in time are restored — a shorter hit, not

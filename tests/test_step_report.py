@@ -23,7 +23,7 @@ async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_
         generator = rt.registry.require("demo").generator
         sent, received = [], []  # (step, in a step round, message) / (step, message)
         reserve_at = {}  # report number -> the generator's reserve when it was sent
-        manager, on_message, step_round = generator.cache_manager, generator._on_message, generator._step_round
+        manager, on_message, step_round = generator.grants.manager, generator._on_message, generator._step_round
         rounds = {"in": False}
 
         class Counting:
@@ -44,7 +44,7 @@ async def test_one_message_each_way_per_step_and_none_when_nothing_changed(demo_
             finally:
                 rounds["in"] = False
 
-        generator.cache_manager = Counting()
+        generator.grants.manager = Counting()  # the reports' way to the manager
         generator._on_message = counting_on_message
         generator._step_round = counting_step_round
         first = generator.steps

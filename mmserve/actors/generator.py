@@ -1,76 +1,64 @@
-"""Generator actor: the scheduler and the model runner of one model, over its paged KV arena.
+"""Generator actor: the scheduler of one model, over the paged KV arena its model runner owns.
 
-It receives prepared sequences — the cached prefix already at the start of their block tables,
-encoder outputs for the images the prefix does not cover. Each step is ONE forward over the
-arena's block tables (`generation.runner.ModelRunner`, which owns the arena): a decode token of every running sequence and
-prefill chunks of waiting ones, packed to `max_batched_tokens` (`generation.scheduler`); the
-blocks those tokens need are drawn from a reservation the cache manager refills — one report and
-at most one refill per step, never awaited (`actors.block_grants`); when a decode token finds no
-block left anywhere, the newest sequence is preempted (its blocks released, recomputed later).
-The whole batch is sampled on the device with one host transfer, started asynchronously —
-penalties, grammar masks (computed beside the forward) and logprobs included. Full blocks are committed as they fill
-(bookkeeping, zero bytes copied). A request's n choices share its one prefill (`actors.choices`).
+Each step is ONE forward over the arena's block tables (`generation.runner.ModelRunner`): a decode
+token of every running sequence and prefill chunks of waiting ones, packed to `max_batched_tokens`
+(`generation.scheduler`), sampled on the device with one asynchronous host transfer. Its parts,
+each the only owner of its state (docs/design.md, "The generator's parts"): `grants` (the blocks,
+drawn from a reservation the cache manager refills: `actors.block_grants`), `builder` (a step's
+inputs: `engine.step_inputs`), `executor` (the step on the compute thread), `fences` (an abandoned
+step's quarantine), `overlap` (steps launched ahead), `answers` (each token's way to its caller);
+a request's n choices share its one prefill (`actors.forking`). It alone emits a finish.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 
-import torch
 import trio
 
 from mmserve.actors import compute
+from mmserve.actors.answers import Answers, Ending, HeldFinishes
 from mmserve.actors.base import Actor
-from mmserve.actors.choices import BlockCopy
-from mmserve.actors.forking import Forking
+from mmserve.actors.block_grants import BlockGrants, resume_wants
 from mmserve.actors.faults import fault
-from mmserve.actors.answers import Answers
-from mmserve.actors.block_grants import BlockGrants
+from mmserve.actors.forking import fork_choices
 from mmserve.actors.messages import (
-    FinishEvent, GenerateJob, KVEpoch, PrefixFailed, Refill, Release, TokenEvent)
-from mmserve.actors.step_fences import StepFences, written_blocks
-from mmserve.actors.step_build import StepBuild, StepBuilding, StepOutput
-from mmserve.actors.step_overlap import StepOverlap
+    FinishEvent, FinishFlushed, GenerateJob, KVEpoch, PrefixFailed, Refill, Release)
+from mmserve.actors.prompt_scores import scores_prompt
 from mmserve.actors.sequence import LIVE, Sequence, SeqState
-from mmserve.actors.prompt_scores import prompt_logprobs, scores_prompt
-from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, banned_ids
+from mmserve.actors.step_executor import StepExecutor
+from mmserve.actors.step_fences import StepFences
+from mmserve.actors.step_overlap import Flight, StepOverlap
+from mmserve.actors.token_rows import Lexicon, assembler as text_assembler
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
+from mmserve.engine.step_inputs import StepBuilder
 from mmserve.errors import MMServeError, ServiceUnavailable
-from mmserve.generation.write_fence import STEP_IDS
-from mmserve.generation.grammar import Grammars, MaskJob
-from mmserve.generation.sampling import make_generator
-from mmserve.generation.step_sampling import sample_on_device
-from mmserve.generation.scheduler import Planned, never_fits, plan_step
-from mmserve.models.adapter import Adapter
 from mmserve.generation.runner import ModelRunner
+from mmserve.generation.sampling import make_generator
+from mmserve.generation.scheduler import FIFO, Planned, Ranking, displaced, never_fits, plan_step
+from mmserve.models.adapter import Adapter
 
-
-class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, Forking, Actor):
+class Generator(Actor):
     name = "generator"
 
     def __init__(self, adapter: Adapter, cache_manager: trio.MemorySendChannel, runner: ModelRunner,
                  kv_config: KVCacheConfig = KVCacheConfig(), config: GeneratorConfig = GeneratorConfig(),
-                 metrics=None, overlap: bool = True, finish_after_flush: bool = False):
+                 metrics=None, overlap: bool = True, finish_flush_s: float | None = None):
         super().__init__(model=adapter.name)
-        self.overlap = overlap  # step n+1 prepared while step n runs (`actors.step_overlap`)
-        self._overlap_state()
         self.adapter = adapter
         self.cache_manager = cache_manager
         self.runner = runner
-        self.kv = runner.kv  # the runner's arena (read here for its size and epoch; written only by the runner)
+        self.arena = runner.kv  # the runner's arena (read here for its size; written only by the runner)
         self.block_size = kv_config.block_size
         self.caching = kv_config.prefix_caching
         self.config = config
         self.metrics = metrics
-        self.seqs: list[Sequence] = []  # every live sequence, oldest first
+        self.seqs: list[Sequence] = []  # every live sequence, oldest first (changed in place only)
         # a sequence longer than the arena could never run again after a preemption: it ends there
         self.max_positions = runner.max_positions
-        self._image_token = torch.tensor([adapter.image_token_id])
-        self._eos = torch.tensor(sorted(adapter.eos_token_ids), dtype=torch.long)
-        self._image_and_eos = torch.cat([self._image_token, self._eos])
+        self.ranking: Ranking = FIFO  # who goes first (priority, aged, then arrival): fixed by each plan
         self._orders = itertools.count()
         self.steps = 0
         # where a busy generator's time goes: awaiting the compute thread's steps, and its own work
@@ -80,21 +68,19 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         self._step_end: float | None = None  # None: the last round did not lead straight to this one
         self.preemptions = 0
         self.resumed_blocks = 0  # blocks preempted sequences got back from the cache instead of recomputing
-        self.reencoded_images = 0  # images preempted sequences encoded again (their cached KV was gone)
-        self._incarnation = 0  # a step abandoned by a restart must not write into released blocks
-        self._step_ids = STEP_IDS  # each step's own number (the quarantine of an abandoned one): one space with the fence's writers
-        self.kv_epoch: int | None = None  # the latest life of the cache manager heard of
-        self._copies: list[BlockCopy] = []  # forked choices' partial blocks, copied at the next step
-        self._grammars: Grammars | None = None
-        self._pieces: TokenPieces | None = None  # token id → text and bytes, for logprobs
-        self.finish_after_flush = finish_after_flush  # with a shared tier: the manager delivers the finish
-
-    @property
-    def grammars(self) -> Grammars:
-        """Compiled grammars and token bytes (llguidance), made on first use."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.adapter.tokenizer, self.adapter.vocab_size, self.adapter.eos_token_ids)
-        return self._grammars
+        # with a shared tier, a finish waits until the blocks its answer committed are there (None: at once)
+        self.finishes = HeldFinishes(finish_flush_s, self.log) if finish_flush_s is not None else None
+        # the parts, each the only owner of its state
+        self.lexicon = Lexicon(adapter)
+        self.grants = BlockGrants(cache_manager, self.inbox_send, config, self.block_size, self.arena.num_blocks,
+                                  self.log)
+        self.builder = StepBuilder(adapter, runner, self.log, metrics, fault)
+        self.executor = StepExecutor(runner, self.builder, self.lexicon, adapter.vocab_size, overlap)
+        self.fences = StepFences(cache_manager, self.log)
+        self.overlap = StepOverlap(overlap, self.executor, self.fences, self.grants, self.block_size,
+                                   self.max_positions)
+        self.answers = Answers(adapter, self.block_size, self.max_positions, self.grants, self.inbox_send,
+                               self.lexicon, metrics, self.log)
 
     @property
     def running(self) -> list[Sequence]:
@@ -102,9 +88,9 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
 
     async def run(self) -> None:
         self.seqs.clear()
-        self._flush_held(everything=True)  # steps of an earlier run are fenced (quarantined) by now
-        self._incarnation += 1
-        self._new_lease()  # a restart: whatever was reserved for an earlier run goes back
+        self.overlap.flush_held(everything=True)  # steps of an earlier run are fenced (quarantined) by now
+        self.executor.restarted()
+        self.grants.new_lease()  # a restart: whatever was reserved for an earlier run goes back
         while True:
             await self._take_messages()
             self._drop_aborted()
@@ -135,13 +121,20 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
                 self._on_message(self.inbox.receive_nowait())
             except trio.WouldBlock:
                 break
+        if self.finishes is not None and self.finishes.held:
+            self.finishes.emit_due(time.monotonic())
         self._prune()
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, GenerateJob):
             self._admit(msg)
         elif isinstance(msg, Refill):  # blocks for the reservation (`block_grants`)
-            self._refilled(msg)
+            if self.grants.epoch is None or msg.epoch > self.grants.epoch:
+                self._check_epoch(msg.epoch)
+            self.grants.refilled(msg)
+        elif isinstance(msg, FinishFlushed):  # an answer's blocks are in the shared tier: it ends
+            if self.finishes is not None:
+                self.finishes.flushed(msg.request_id)
         elif isinstance(msg, KVEpoch):  # the cache manager restarted: tables of its earlier life are void
             self._check_epoch(msg.epoch)
         elif isinstance(msg, PrefixFailed):  # one of its commits failed: it fails alone
@@ -164,21 +157,23 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         if not job.handle.active:
             self._release(seq)
             return
-        if seq.epoch is not None and self.kv_epoch is not None and seq.epoch != self.kv_epoch:
+        epoch = self.grants.epoch
+        if seq.epoch is not None and epoch is not None and seq.epoch != epoch:
             # its hit was answered by a life of the cache manager that has died since: void
             self._fail(seq, ServiceUnavailable("the KV cache of this model was restarted while the request "
                                                "was prepared; retry", retry_after_s=1.0), "kv cache")
             return
         try:
-            matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in range(params.n)]
+            grammars = self.lexicon.grammars if params.grammar else None
+            matchers = [grammars.matcher(params.grammar) if grammars else None for _ in range(params.n)]
             if params.logprobs or scores_prompt(job.handle.request):
-                self._pieces = self._pieces or TokenPieces(self.grammars.token_bytes)
+                self.lexicon.want_pieces()
         except Exception as e:
             self._fail(seq, e, "admission (grammar)")
             return
         seq.matcher = matchers[0]
         seq.forks = [(make_generator(params, c), matchers[c]) for c in range(1, params.n)]
-        refusal = never_fits(seq.target_len, params.n, self.kv.num_blocks, self.block_size,
+        refusal = never_fits(seq.target_len, params.n, self.arena.num_blocks, self.block_size,
                              self.config.max_batched_tokens)
         if refusal is not None:
             self._fail(seq, refusal, "admission")
@@ -193,34 +188,48 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
             self._end(seq, SeqState.ABORTED)
         self._prune()
 
+    def _settle(self, seq: Sequence, ending: Ending | None) -> None:
+        """What `Answers` decided for `seq`: nothing (it goes on), a failure, or its end."""
+        if ending is None:
+            return
+        if ending.error is not None:
+            self._fail(seq, ending.error, ending.stage)
+        else:
+            self._end(seq, ending.state, ending.finish)
+
     def _end(self, seq: Sequence, state: SeqState, finish: FinishEvent | None = None) -> None:
         """Moves `seq` to an end state; its blocks are released (the committed ones stay cached).
-        `finish` is its last event: emitted now, or by the manager once its blocks are in the
-        shared tier (`finish_after_flush`)."""
+        `finish` is its last event: emitted now, or — with a shared tier — once the manager says
+        the blocks it committed are there (`FinishFlushed`, asked for by its Release)."""
         seq.move(state)
         if not any(s.handle is seq.handle and s.state in LIVE for s in self.seqs):
             self.in_flight.pop(seq.request_id, None)
-        later = finish is not None and self.finish_after_flush and (seq.registered or bool(seq.table))
-        if finish is not None and not later:
+        later = finish is not None and self.finishes is not None and (seq.registered or bool(seq.table))
+        if later:
+            self.finishes.hold(seq.kv_owner, seq.handle, finish)
+        elif finish is not None:
             seq.handle.emit(finish)
-        self._release(seq, finish=(seq.handle, finish) if later else None)
+        self._release(seq, flushed=later)
 
-    def _release(self, seq: Sequence, finish=None, final: bool = True) -> None:
+    def _release(self, seq: Sequence, final: bool = True, flushed: bool = False) -> None:
         if seq.registered or seq.table:
-            entry = Release(seq.kv_owner, finish, final)
-            if not self._hold_release(seq, entry):  # a step in flight may still write its blocks
-                self._note(entry)  # in the next step report
+            entry = Release(seq.kv_owner, final, self.inbox_send if flushed else None)
+            if not self.overlap.hold_release(seq, entry):  # a step in flight may still write its blocks
+                self.grants.note(entry)  # in the next step report
         seq.table = []
         seq.registered = False
         seq.epoch = None  # it holds nothing: a restart of the manager no longer concerns it
 
+    def _release_copies(self, copies) -> None:
+        """The copy sources of forked choices are no longer needed (copied, or their child is gone)."""
+        for c in copies:
+            self.grants.note(Release(c.pin))
+
     def _prune(self) -> None:
         """Drops ended sequences, and the copy sources pinned for choices among them (a choice can
         end at its fork, before the step that would have copied its block)."""
-        self.seqs = [s for s in self.seqs if s.state in LIVE]
-        for c in [c for c in self._copies if c.child.state not in LIVE]:
-            self._note(Release(c.pin))
-            self._copies.remove(c)
+        self.seqs[:] = [s for s in self.seqs if s.state in LIVE]
+        self._release_copies(self.executor.drop_copies_of_ended())
 
     def _fail(self, seq: Sequence, exc: Exception, stage: str) -> None:
         """Ends `seq` alone because handling it raised; the other sequences go on."""
@@ -229,15 +238,26 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         self._end(seq, SeqState.FAILED)
 
     def fail_in_flight(self, error: MMServeError) -> int:
-        self._flush_held(everything=True)  # the steps in flight were quarantined when abandoned
+        self.overlap.flush_held(everything=True)  # the steps in flight were quarantined when abandoned
         for seq in self.seqs:
             self._release(seq)
         self.seqs.clear()
-        self._release_copies()
-        self._give_back()  # the releases, and the reservation, in one last report
+        self._release_copies(self.executor.take_copies())
+        if self.finishes is not None:  # complete answers: their finish does not wait for this restart
+            self.finishes.emit_due(float("inf"))
+        self.grants.new_lease()  # the releases, and the reservation, in one last report
+        self._report()
         return super().fail_in_flight(error)
 
     # -- one step ------------------------------------------------------------------------------
+
+    def _report(self, plan: list[Planned] = ()) -> None:
+        self.grants.report(self.seqs, self.ranking, plan)
+
+    def _quarantined(self, entry) -> None:
+        """An abandoned step's quarantine: noted, and reported at once."""
+        self.grants.note(entry)
+        self._report()
 
     async def _step_round(self) -> bool:
         """One step; False when nothing could run."""
@@ -245,51 +265,78 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
         if any(p.seq.resumable for p in plan):
             await self._resume([p.seq for p in plan if p.seq.resumable])
             plan = self._plan()
-        plan = self._granted(plan)  # drawn from the reservation: no message
+        plan = self.grants.granted(plan, self.seqs, self.ranking, self._preempt)  # drawn from the reservation
         if not plan:
             return False
-        if self.overlap:  # this step, and the next ones launched while it runs (`step_overlap`)
-            self._host_time = None if self._step_end is None else time.monotonic() - self._step_end
+        if self.overlap.enabled:  # this step, and the next ones launched while it runs (`step_overlap`)
+            host = None if self._step_end is None else time.monotonic() - self._step_end
             self._step_end = None
-            await self._chain(plan)  # its report, with the draws of the step launched behind it
+            await self.overlap.chain(plan, self.seqs, self.key, host, self._report, self._stepped)
+            self._step_end = time.monotonic()
             return True
         self._report(plan)  # one message per step, never awaited; the refill comes while it runs
         t0 = time.monotonic()
         host = None if self._step_end is None else t0 - self._step_end
         self._step_end = None
+        copies = self.executor.take_copies()
         try:
-            out = await compute.run(self._step, plan, self._copies, self._incarnation, abandon_on_cancel=True,
-                                    owner=self.key, if_abandoned=self._quarantine(plan))
+            out = await compute.run(self.executor.step, plan, copies, self.executor.incarnation,
+                                    abandon_on_cancel=True, owner=self.key,
+                                    if_abandoned=self.fences.quarantine(plan, copies, self._quarantined))
         finally:
-            self._release_copies()
-        results = await self._results(out)
+            self._release_copies(copies)
+        results = await self.executor.results(out)
         self._step_end = time.monotonic()
         self._count_step(self._step_end - t0, host)
         await self._apply_results(plan, results, round(self._step_end - t0, 6))
         return True
 
+    async def _stepped(self, flight: Flight, forward_s: float, host_s: float | None) -> None:
+        """A step of the overlap chain returned (the next one may run already): its results, the
+        releases it held, the messages that came meanwhile."""
+        self._count_step(forward_s, host_s)
+        flight.results = await self.executor.results(flight.out)  # its tokens' host copy, awaited here
+        await self._apply_results(flight.plan, flight.results, round(forward_s, 6))
+        self.overlap.landed(flight)
+        self._take_waiting()
+        self._drop_aborted()
+        self.progressed()  # a step returned: the stall watchdog times the next one from here
+
     def _count_step(self, forward_s: float, host_s: float | None) -> None:
         self.steps += 1
-        self._time_step(forward_s, host_s)
-
-    async def _apply_results(self, plan: list[Planned], results: list, duration: float) -> None:
-        """A step's results, to its sequences (tokens, echoes, forks, finishes)."""
-        for p, result in zip(plan, results):
-            if p.seq.job.handle.request.prompt is not None and not isinstance(result, (int, Exception)):
-                self._echo(p.seq)  # a completions prompt's prefill ended: its echo before any token
-            if isinstance(result, list):  # its prefill ended: every choice's first token
-                result = await self._fork(p, result)
-            self._apply(p, result)
-        self.log.debug("generator.step", batch=len(plan), tokens=sum(p.tokens for p in plan),
-                       request_ids=[p.seq.request_id for p in plan], duration_s=duration)
-        self._prune()
-
-    def _time_step(self, forward_s: float, host_s: float | None) -> None:
         self.forward_s += forward_s
         if host_s is not None:
             self.host_s += host_s
         if self.metrics is not None:
             self.metrics.step_timed(self.adapter.name, forward_s, host_s)
+
+    async def _apply_results(self, plan: list[Planned], results: list, duration: float) -> None:
+        """A step's results, to its sequences (tokens, echoes, forks, finishes)."""
+        for p, result in zip(plan, results):
+            if p.seq.job.handle.request.prompt is not None and not isinstance(result, (int, Exception)):
+                self.answers.echo(p.seq)  # a completions prompt's prefill ended: its echo before any token
+            if isinstance(result, list):  # its prefill ended: every choice's first token
+                result = await self._fork(p, result)
+            self._settle(p.seq, self.answers.apply(p, result))
+        self.log.debug("generator.step", batch=len(plan), tokens=sum(p.tokens for p in plan),
+                       request_ids=[p.seq.request_id for p in plan], duration_s=duration)
+        self._prune()
+
+    async def _fork(self, p: Planned, firsts: list):
+        """The other choices of a request whose prefill this step ended become sequences of their
+        own (`forking`), each with its first token; the parent's first token is returned."""
+        request = p.seq.handle.request
+        first, made = await fork_choices(p, firsts, self.cache_manager, self.block_size,
+                                         self.config.lookup_timeout_s, self._orders,
+                                         lambda: text_assembler(self.adapter, request), self.grants.note, self.log)
+        for child, copy, token in made:
+            self.seqs.append(child)
+            if copy is not None:
+                self.executor.copies.append(copy)
+            self._settle(child, self.answers.accept(child, token))
+        return first
+
+    # -- scheduling: plans, preemptions, resumes, manager lives --------------------------------
 
     def _plan(self) -> list[Planned]:
         """The next step's plan (`plan_step`); every sequence in it is admitted (running) from now
@@ -304,104 +351,68 @@ class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, For
             p.seq.admitted = True
         return plan
 
-    # -- the forward (compute thread) ----------------------------------------------------------
+    def _make_room(self) -> None:
+        """Fixes this step's ranking, then puts admitted requests of a worse priority back in the
+        queue when the best-ranked waiting request finds no room (`scheduler.displaced`)."""
+        self.ranking = Ranking(time.monotonic(), self.config.priority_aging_s)
+        decoding = [s for s in self.seqs if s.state is SeqState.DECODING]
+        prefilling = [s for s in self.seqs if s.state is SeqState.PREFILLING]
+        out = displaced(decoding, prefilling, self.config.max_batched_tokens, self.config.max_running_requests,
+                        self.ranking)
+        if out:
+            self._displace(out)
 
-    def _step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int,
-              built: StepBuild | None = None) -> StepOutput:
-        """Forked choices' block copies, then one forward over every planned sequence's new tokens
-        (`built`: the step, built beforehand — on the event loop for a step launched ahead), then
-        one batched sample on the device of those that need a token (their grammar masks computed
-        beside the forward), its host copy started. A failure of one sequence's own work is
-        reported for it alone; the samples become results on the event loop (`_results`). All of
-        it inside the runner's write fence: tables granted in an earlier life of the cache manager
-        than the fence's at entry write nothing, and if a new life begins meanwhile, it holds every
-        block this step may write until it returns (on a GPU the device work it enqueued runs
-        before any later write, in stream order)."""
-        with self.runner.fence.writing(lambda: written_blocks(plan, copies)) as epoch:
-            return self._fenced_step(plan, copies, incarnation, built, epoch)
+    def _displace(self, requests) -> None:
+        """Puts the admitted `requests` back in the queue for a waiting request of a better
+        priority (`generation.scheduler.displaced`): each of their sequences is preempted (blocks
+        given back, prefilled again later from what is still cached) and loses its admission, so
+        it is admitted again by rank, like any waiting request."""
+        for seq in [s for s in self.seqs if s.state in LIVE and s.request_id in requests]:
+            if seq.table or seq.kv_len or seq.state is SeqState.DECODING:
+                self._preempt(seq)
+            seq.admitted = False
+        self.log.info("generator.displaced", request_ids=list(requests))
 
-    def _fenced_step(self, plan: list[Planned], copies: list[BlockCopy], incarnation: int,
-                     built: StepBuild | None, epoch: int | None) -> StepOutput:
-        def void(seq) -> bool:  # its table was granted in an earlier life of the manager
-            return seq.epoch is not None and epoch is not None and seq.epoch != epoch
-        if incarnation == self._incarnation:  # not abandoned: no block was released under it
-            for c in copies:  # before any forward writes: the copy source may be written from now on
-                if c.child.state in LIVE and c.target in c.child.table and not void(c.child):
-                    self.runner.copy_block(c.source, c.target)
-        carried, self._carried = self._carried, None  # the samples of the previous step, on the device (overlap)
-        if built is None or any(void(p.seq) for p in plan):
-            entered = built.entered if built is not None else None
-            built = self._build(plan)
-            built.entered = entered
-        results = list(built.results)
-        if not built.rows:
-            return StepOutput(results)
-        fault("generator.step")
-        if incarnation != self._incarnation:  # abandoned (a hang, then a restart): its blocks are gone
-            return StepOutput(results)
-        fault("generator.forward")  # past that check: a step slowed here writes after its abandonment
-        masks = MaskJob(self.grammars, [s.matcher for s in built.constrained]) if built.constrained else None
-        step = built.step
-        if built.carry_at:  # step n's tokens, gathered into this step's ids on the device
-            step = dataclasses.replace(step, carry=self._gather_carried(built.carry_at, carried))
-        logits = self.runner.forward(step, built.prepared, built.entered)
-        allowed = masks.allowed(logits.device) if masks is not None else None
-        scored = built.scored
-        sample = sample_on_device(logits, built.sampling.plan, allowed,
-                                  scored.packed(logits[len(built.segments):]) if scored else None)
-        if self.overlap:
-            self._carried = (sample.ids, built.sampling.carry_rows)
-        return StepOutput(results, built, sample)
+    def _preempt(self, victim: Sequence) -> None:
+        """Gives every block of `victim` back (in the next report); it is prefilled again later,
+        from what is still cached of its blocks on (its images encoded again where their KV is
+        gone)."""
+        self._release(victim, final=False)
+        victim.kv_len, victim.committed = 0, 0
+        victim.resumable = victim.chain is not None and bool(victim.hashes)
+        if victim.state is SeqState.DECODING:
+            victim.move(SeqState.PREFILLING)
+        self.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.preempted(self.adapter.name)
+        self.log.info("generator.preempted", request_id=victim.request_id, tokens=len(victim.tokens))
 
-    def _gather_carried(self, carry_at: list[tuple[int, int]], carried) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices in the step's ids, the tokens the previous step sampled for those sequences, on
-        the device): a gather there, no host round trip. A sequence whose sampling failed (its
-        result discards this step's) gets token 0."""
-        at = torch.tensor([i for i, _ in carry_at], dtype=torch.long)
-        if carried is None:
-            return at, torch.zeros(len(carry_at), dtype=torch.long)
-        ids, rows = carried
-        src = [rows.get(key, ids.shape[0]) for _, key in carry_at]  # the appended zero for a missing one
-        pool = torch.cat([ids, ids.new_zeros(1)])
-        return at, pool.index_select(0, torch.tensor(src, dtype=torch.long).to(ids.device, non_blocking=True)).clamp_min(0)
-
-    async def _results(self, out: StepOutput) -> list:
-        """A step's results on the event loop: its samples' host copy awaited (on CUDA; on the CPU
-        they are there) without blocking the loop, then made into each row's token(s)."""
-        if out.sample is None:
-            return out.results
-        while not out.sample.done():
-            await trio.sleep(0.0002)
-        built, results = out.built, out.results
-        sampled, host = out.sample.unpack()
-        for (_, i), token in zip(built.wanted, self._tokens(built.sampling, sampled, len(built.wanted))):
-            results[i] = token
-        if built.scored:
-            built.scored.store(host, self.adapter.vocab_size)
-        for i in built.rows:
-            if results[i] is None:
-                results[i] = -1  # computed, no token due (a prefill chunk before the prompt's end)
-        return results
-
-    def _banned(self, seq: Sequence) -> torch.Tensor:
-        return banned_ids(seq, self._image_token, self._eos, self.adapter.vocab_size, self._image_and_eos)
-
-    def _echo(self, seq: Sequence) -> None:
-        """With `echo`, every choice's text starts with the prompt's (its text as sent, or its ids
-        decoded), and with the prompt's logprobs asked for, every choice gets them: once per
-        request (a sequence prefilled again after a preemption sends nothing)."""
-        raw = seq.handle.request.prompt
-        if not (raw.echo or raw.logprobs is not None) or seq.echoed or seq.choice:
+    async def _resume(self, seqs: list[Sequence]) -> None:
+        """Preempted sequences about to be prefilled again get back, from the manager, the blocks
+        of theirs still cached (`BlockGrants.resume`): a round trip, after the report that carries
+        their releases."""
+        wants = resume_wants(seqs, self.block_size)
+        if wants:
+            # their releases reach the manager first — while they are still resumable, so that this
+            # report neither asks for their prefill nor places tables for them: the refill would
+            # evict the very blocks the resume is about to take back
+            self._report()
+        for seq in seqs:
+            seq.resumable = False
+        if not wants:
             return
-        seq.echoed = True
-        text = "" if not raw.echo else raw.text if raw.text is not None else \
-            self.adapter.decode_special(seq.job.prompt.input_ids)
-        scores = prompt_logprobs(seq, self._pieces) if raw.logprobs is not None else ()
-        for c in range(seq.handle.choices):
-            seq.handle.emit(TokenEvent(text, -1, c, prompt=scores))
+        reply = await self.grants.resume(wants)
+        self._take_waiting()  # what came meanwhile — a restart of the manager above all — before any draw
+        if reply is not None:  # (None: their prefill recomputes everything: slower, never wrong)
+            self._check_epoch(reply.epoch)
+            self.resumed_blocks += self.grants.take_resumed(reply, self.seqs)
 
-    def _release_copies(self) -> None:
-        """The copy sources of forked choices are no longer needed (copied, or their child is gone)."""
-        for c in self._copies:
-            self.cache_manager.send_nowait(Release(c.pin))
-        self._copies = []
+    def _check_epoch(self, epoch: int) -> None:
+        """Tables from an earlier life of the cache manager point at blocks it may have given away:
+        their sequences fail; those that held nothing go on. The reservation died with that life."""
+        self.grants.saw_epoch(epoch)
+        current = self.grants.epoch
+        for seq in [s for s in self.seqs if s.epoch is not None and s.epoch != current and s.state in LIVE]:
+            self._fail(seq, ServiceUnavailable("the KV cache of this model was restarted while the request "
+                                               "ran; retry", retry_after_s=1.0), "kv cache")
+        self._prune()

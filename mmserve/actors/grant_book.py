@@ -1,9 +1,7 @@
-"""The generator's state in the block reservation protocol (`actors.block_grants`): the reserve it
-draws from, and what it has sent and heard (`GrantBook`). Pure: no messages, no trio."""
+"""The reserve the generator draws its blocks from (`Reserve`, a part of `actors.block_grants`'s
+`BlockGrants`), and how a prefill chunk is cut at a bidirectional span. Pure: no messages, no trio."""
 
 from __future__ import annotations
-
-import itertools
 
 RESERVE_SHARE = 8  # the reservation holds at most 1/RESERVE_SHARE of the arena
 RESERVE_SLACK = 2  # blocks beyond the next step's estimate: a request that arrives meanwhile runs at once
@@ -78,27 +76,3 @@ class Reserve:
             if b - run_start + 1 > length:
                 start, length = run_start, b - run_start + 1
         return start  # the manager placed each run with room to grow after it
-
-
-class GrantBook:
-    """The generator's side of the reservation protocol."""
-
-    def __init__(self):
-        self.reserve = Reserve()
-        self.lease = 0
-        self.numbers = itertools.count()  # report numbers: one generator never reuses one
-        self.entries: list = []  # Draw | Commit | Release since the last report, in order
-        self.sent_lease: int | None = None  # the lease the last report named
-        self.last_sent = -1  # the last report's number
-        self.last_refill = -1  # the number of the report whose refill was taken last
-        self.due_since: float | None = None  # a refill was asked for and has not come
-        self.manager_free: int | None = None  # what the manager could still give, at its last refill
-        self.exhausted = False  # a refill said nothing is left, and no release was reported since
-        self.released_in: int | None = None  # the latest report that carried a release
-        self.starved = False  # the last plan had tokens no block could be drawn for
-        self.stuck_need = 0  # the most blocks one of those needed
-        self.placing: dict[str, int] = {}  # new tables → the report that asked for their run (-1: not yet)
-        self.waiting_placement = False  # the last plan had a new table waiting for its run
-        self.hinted: dict[str, int] = {}  # running tables → the last block whose successors were asked for
-        self.reports = 0
-        self.refills = 0

@@ -172,13 +172,22 @@ class Commit:
 @dataclass(frozen=True)
 class Release:
     """The request holds none of its blocks any more (it finished, aborted, failed or was
-    preempted). Its committed blocks stay cached, evictable; no entry is touched. `finish`: the
-    request's last event, which the manager delivers once the blocks it committed are in the
-    shared tier. `final`: the request has ended (False for a preemption: it will run again)."""
+    preempted). Its committed blocks stay cached, evictable; no entry is touched. `final`: the
+    request has ended (False for a preemption: it will run again). `flushed`: where to send
+    `FinishFlushed` once the blocks it committed are in the shared tier (or that wait gave up) —
+    the generator holds the request's finish event until then, and emits it itself."""
 
     request_id: str
-    finish: tuple[Any, Any] | None = None  # (messages.RequestHandle, messages.FinishEvent)
     final: bool = True
+    flushed: trio.MemorySendChannel | None = None
+
+
+@dataclass(frozen=True)
+class FinishFlushed:
+    """Manager → generator: the blocks the request committed before its `Release` are in the shared
+    tier (written, failed or dropped; or `finish_flush_ms` passed): its finish may be emitted."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import trio
 from mmserve.errors import MMServeError
 from mmserve.actors.kv_messages import (  # noqa: F401 (the manager's messages, named here too)
     PrefixFailed, Lookup, LookupResult, Reservation, Draw, StepReport, Refill, StepFence, Quarantine,
-    StepReturned, KVEpoch, Commit, Release, Resume, Resumed, PrefixState)
+    StepReturned, KVEpoch, Commit, Release, FinishFlushed, Resume, Resumed, PrefixState)
 from mmserve.inputs.request import ChatRequest
 from mmserve.models.llava import PromptInputs
 

@@ -47,7 +47,7 @@ from mmserve.actors.base import Actor
 from mmserve.actors.faults import afault
 from mmserve.actors.kv_event_source import KVEventSource
 from mmserve.actors.messages import (
-    ClearCache, Commit, Draw, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Quarantine, Release,
+    ClearCache, Commit, Draw, FinishFlushed, Fork, Forked, KVEpoch, Lookup, LookupResult, PrefixFailed, Quarantine, Release,
     Reservation, Resume, Resumed, StepReport, StepReturned, copy_pin, lookup_pin)
 from mmserve.actors.reservation_ledger import ReservationLedger, send as _send
 from mmserve.actors.shared_kv import SharedKV
@@ -340,12 +340,12 @@ class PrefixCacheManager(Actor):
         self._done(msg.request_id)
 
     def _release(self, msg: Release) -> None:
-        if msg.finish is not None:  # first: the answer ends even if the bookkeeping below raises
-            handle, event = msg.finish  # its commits (earlier in this inbox) are queued for Redis by now
+        if msg.flushed is not None:  # first: the answer ends even if the bookkeeping below raises
+            done = FinishFlushed(msg.request_id)  # its commits (earlier in this inbox) are queued for Redis by now
             if self.shared is not None:
-                self.shared.deliver_after_writes(handle, event)
+                self.shared.notify_after_writes(msg.flushed, done)
             else:
-                handle.emit(event)
+                _send(msg.flushed, done)
         rid = msg.request_id
         self.arena.free(rid)
         self.ledger.released(rid)  # it holds nothing: its next table starts afresh

@@ -95,7 +95,7 @@ class SharedKV:
         for j, (_, h) in enumerate(new):
             self.tier.put_soon(KIND_KV_BLOCK, block_key(h), data[:, :, j])
 
-    def deliver_after_writes(self, handle, event) -> None:
-        """An answer's finish, delivered once the writes queued before it are done (or after the
-        tier's `finish_flush_ms`)."""
-        self.tier.deliver_after_writes(handle, event)
+    def notify_after_writes(self, reply, msg) -> None:
+        """`msg` (an answer's `FinishFlushed`) sent to `reply` once the writes queued before it are
+        done (or after the tier's `finish_flush_ms`): the generator then emits the finish."""
+        self.tier.notify_after_writes(reply, msg)

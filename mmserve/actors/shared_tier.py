@@ -36,6 +36,7 @@ import trio
 
 from mmserve.actors.base import Actor
 from mmserve.actors.kv_messages import FetchBlocks, SharedBlocks
+from mmserve.actors.reservation_ledger import send
 from mmserve.actors.shared_tier_io import (
     DELETE_REFUSED_LUA, Refused, describe, public_error, read_values, renew_and_delete, write_values)
 from mmserve.actors.write_settlement import WriteSettlement
@@ -318,17 +319,17 @@ class SharedTier(Actor):
         self._writes_settled.queued()
         return True
 
-    def deliver_after_writes(self, handle, event) -> None:
-        """Emits `event` to `handle` once every value queued so far is written (or failed, or
-        dropped), and at the latest after `finish_flush_ms`: a response ends when the blocks it
-        committed can be found by any replica."""
+    def notify_after_writes(self, reply: trio.MemorySendChannel, msg) -> None:
+        """Sends `msg` to `reply` once every value queued so far is written (or failed, or
+        dropped), and at the latest after `finish_flush_ms`: the generator ends a response when the
+        blocks it committed can be found by any replica."""
         done = self._writes_settled.all_queued_so_far()
         if done.is_set() or self._nursery is None or not self.config.finish_flush_ms:
-            handle.emit(event)
+            send(reply, msg)
             return
-        self._nursery.start_soon(self._deliver, handle, event, done)
+        self._nursery.start_soon(self._notify, reply, msg, done)
 
-    async def _deliver(self, handle, event, done: trio.Event) -> None:
+    async def _notify(self, reply: trio.MemorySendChannel, msg, done: trio.Event) -> None:
         t0 = trio.current_time()
         try:
             with trio.move_on_after(self.config.finish_flush_ms / 1000) as scope:
@@ -336,7 +337,7 @@ class SharedTier(Actor):
             self.counts["finish_flush_late" if scope.cancelled_caught else "finish_flushed"] += 1
             self.counts["finish_flush_wait_ms"] += round((trio.current_time() - t0) * 1000)
         finally:  # whatever happens to this actor, the response ends
-            handle.emit(event)
+            send(reply, msg)
 
     async def _write_loop(self) -> None:
         while True:

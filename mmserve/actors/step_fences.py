@@ -1,14 +1,17 @@
-"""The generator's half of the step fence (a part of `Generator`): a step abandoned while it still
+"""The generator's half of the step fence (`StepFences`, a part the generator holds): a step abandoned while it still
 runs — the stall watchdog restarted the generator and replaced the compute thread — may write on,
 so its blocks are quarantined by the manager until it has really returned (`prefix_cache`'s
-`QuarantineSide` holds them; see docs/design.md, "No write without ownership")."""
+`StepQuarantine` holds them; see docs/design.md, "No write without ownership")."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import trio
 
 from mmserve.actors.messages import Quarantine, StepReturned
 from mmserve.generation.scheduler import Planned
+from mmserve.generation.write_fence import STEP_IDS
 
 
 def step_returned_sender(manager: trio.MemorySendChannel):
@@ -36,17 +39,22 @@ def written_blocks(plan: list[Planned], copies) -> tuple[int, ...]:
 
 
 class StepFences:
-    """Generator methods: what to do if a step is abandoned (`compute.run`'s `if_abandoned`)."""
+    """What to do if a step is abandoned (`compute.run`'s `if_abandoned`). Owns the steps' numbers
+    (one space with the runner's fence's writers: `STEP_IDS`)."""
 
-    def _quarantine(self, plan: list[Planned], copies=None):
+    def __init__(self, manager: trio.MemorySendChannel, log):
+        self.manager, self.log = manager, log
+        self.step_ids = STEP_IDS  # each step's own number (the quarantine of an abandoned one)
+
+    def quarantine(self, plan: list[Planned], copies, settle: Callable[[Quarantine], None]):
         """What to do if this step is abandoned while it still runs (a restart by the stall
         watchdog): every block it may write — its sequences' tables (only their new tokens' blocks
-        are written, the rest read) and the copies' targets — is quarantined by the manager, in a
-        report sent at once, before the releases of its sequences; the step's own return (the
-        compute thread's call really finished, or dropped unrun) ends the quarantine. `copies`: the
-        step's block copies (None: the generator's pending ones)."""
-        step, copies = next(self._step_ids), list(self._copies if copies is None else copies)
-        report_return = step_returned_sender(self.cache_manager)
+        are written, the rest read) and its block copies' targets — is quarantined by the manager,
+        in a report sent at once (`settle`: the entry noted, the report sent), before the releases
+        of its sequences; the step's own return (the compute thread's call really finished, or
+        dropped unrun) ends the quarantine."""
+        step, copies = next(self.step_ids), list(copies)
+        report_return = step_returned_sender(self.manager)
 
         def returned() -> None:  # on the compute thread (or wherever the step settles)
             report_return(step)
@@ -55,7 +63,6 @@ class StepFences:
             written = written_blocks(plan, copies)
             self.log.warning("generator.step_abandoned", step=step, blocks=len(written),
                              request_ids=[p.seq.request_id for p in plan])
-            self._note(Quarantine(step, written))
-            self._report()
+            settle(Quarantine(step, written))
             return returned
         return abandoned

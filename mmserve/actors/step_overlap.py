@@ -1,17 +1,17 @@
 """Overlap scheduling (`[runtime] overlap`, on by default): step n+1 is planned, its blocks drawn
-and the whole step built (inputs, attention metadata, sampling plan: `Generator._build`) on the
+and the whole step built (inputs, attention metadata, sampling plan: `engine.step_inputs`) on the
 event loop while step n runs on the compute thread, and queued behind it, so the compute thread
 goes from one forward to the next without waiting for the event loop; step n's results
-(streaming, stops, grammar, finishing) are unpacked and handled while step n+1 runs (a part of
-`Generator`).
+(streaming, stops, grammar, finishing) are unpacked and handled while step n+1 runs (`StepOverlap`,
+a part the generator holds).
 
 What a step reads is frozen when it is launched (`SeqView`: the sequence's ids, KV length, block
 table and manager life as the step sees them), so the event loop may apply an earlier step's
 results to the same sequences meanwhile. A step launched *ahead* (before the previous step's
 tokens are on the host) carries only decode tokens of sequences that decoded in the step before:
 its new token is `CARRIED` — a placeholder in its ids, the token itself gathered on the device from
-the ids the previous step sampled there (`Generator._gather_carried`, `StepInputs.carry`): no host
-round trip between the two steps. Everything that needs the previous step's results on the host
+the ids the previous step sampled there (`StepInputs.carry`): no host
+round trip between the two steps (`StepExecutor`). Everything that needs the previous step's results on the host
 first runs serially — the chain waits for the step in flight and the next step is planned as
 without overlap: prefill chunks and admissions (a prefill's end forks n > 1 choices, a round
 trip), grammar masks (the matcher must consume the token first), penalties (they read the answer
@@ -20,9 +20,13 @@ copies, and a reservation too small for the next draws.
 
 Ownership: a sequence that ends while a step that carries it is in flight (a stop found at step
 n, with n+1 already launched, or a cancellation) keeps its blocks until every such step has
-returned — its `Release` waits in `_held` (`_release`), so no block is handed out while a step
-may still write it; the extra token computed for it is discarded (`_apply` ignores a sequence
-that has ended). A sequence that finished at step n is in no plan after n+1.
+returned — its `Release` waits in `held` (`hold_release`), so no block is handed out while a step
+may still write it; the extra token computed for it is discarded (`Answers.apply` ignores a
+sequence that has ended). A sequence that finished at step n is in no plan after n+1.
+
+`StepOverlap` owns the steps in flight and the releases held for them; the generator hands it the
+sequences and, per chain, what to do with a step that returned (`after_step`: its results, its
+messages) and how to send a report (`report`).
 """
 
 from __future__ import annotations
@@ -30,72 +34,32 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import trio
 
 from mmserve.actors import compute
+from mmserve.actors.block_grants import BlockGrants
+from mmserve.actors.messages import Release
 from mmserve.actors.sequence import LIVE, SeqState
+from mmserve.actors.step_executor import StepExecutor
+from mmserve.actors.step_fences import StepFences
+from mmserve.engine.step_inputs import SeqView
 from mmserve.generation.scheduler import Planned, blocks_for
-
-CARRIED = -2
-"""The token id of a step's input that is the token the previous step sampled for that sequence."""
 
 ENTER_WAIT_S = 0.005
 """How long the event loop waits, once step n returned, for the compute thread to reach step n+1's
-forward before it handles step n's results (`_chain`): the most it ever delays them."""
-
-
-class SeqView:
-    """A sequence as one step sees it: its ids, KV length, block table and manager life frozen at
-    launch; everything else is read from (and written to) the sequence itself."""
-
-    __slots__ = ("origin", "ids", "kv_len", "table", "epoch")
-
-    def __init__(self, origin, ids: tuple[int, ...], kv_len: int, table: tuple[int, ...], epoch):
-        for name, value in (("origin", origin), ("ids", ids), ("kv_len", kv_len), ("table", table), ("epoch", epoch)):
-            object.__setattr__(self, name, value)
-
-    @classmethod
-    def of(cls, seq) -> "SeqView":
-        return cls(seq, tuple(seq.ids), seq.kv_len, tuple(seq.table), seq.epoch)
-
-    @classmethod
-    def ahead(cls, seq) -> "SeqView":
-        """`seq` one decode step further than its host state: its next token is the one the step
-        now in flight samples (`CARRIED`)."""
-        return cls(seq, (*seq.ids, CARRIED), seq.kv_len + 1, tuple(seq.table), seq.epoch)
-
-    def __getattr__(self, name):
-        return getattr(self.origin, name)
-
-    def __setattr__(self, name, value) -> None:
-        setattr(self.origin, name, value)
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return self.ids[self.origin.prompt_len:]
-
-    @property
-    def target_len(self) -> int:
-        return len(self.ids)
-
-    @property
-    def table_len(self) -> int:
-        return len(self.table)
-
-
-def origin(seq):
-    """The sequence behind a step's view (or the sequence itself)."""
-    return seq.origin if isinstance(seq, SeqView) else seq
+forward before it handles step n's results (`chain`): the most it ever delays them."""
 
 
 @dataclass(eq=False)
 class Flight:
     """A step launched on the compute thread: its plan (the sequences themselves), what it was
-    handed (views), and its results once it returned."""
+    handed (views), the block copies it makes, and its results once it returned."""
 
     plan: list[Planned]
     views: list[Planned]
+    copies: list = field(default_factory=list)
     launched: float = field(default_factory=time.monotonic)
     done: trio.Event = field(default_factory=trio.Event)
     queued: trio.Event = field(default_factory=trio.Event)  # in the compute thread's queue
@@ -107,32 +71,38 @@ class Flight:
 
 
 class StepOverlap:
-    """Generator methods: the chain of overlapped steps, and the releases held while they fly."""
+    """The chain of overlapped steps, and the releases held while they fly."""
 
-    overlap: bool = True
+    def __init__(self, enabled: bool, executor: StepExecutor, fences: StepFences, grants: BlockGrants,
+                 block_size: int, max_positions: int):
+        self.enabled = enabled
+        self.executor, self.fences, self.grants = executor, fences, grants
+        self.block_size, self.max_positions = block_size, max_positions
+        self.flying: Counter[int] = Counter()  # id(sequence) -> steps in flight that carry it
+        self.held: list[tuple[int, Release]] = []  # (id(sequence), Release) waiting for those steps
 
-    def _overlap_state(self) -> None:
-        self._flying: Counter[int] = Counter()  # id(sequence) -> steps in flight that carry it
-        self._held: list[tuple[int, object]] = []  # (id(sequence), Release) waiting for those steps
-        # compute thread: the last step's sampled ids, on the device, and id(sequence) -> its row there
-        self._carried: tuple | None = None
-        self._host_time: float | None = None  # the event loop's time before the next step's wait
-
-    async def _chain(self, plan: list[Planned]) -> None:
+    async def chain(self, plan: list[Planned], seqs: list, owner: str | None, host_s: float | None,
+                    report: Callable[[list[Planned]], None],
+                    after_step: Callable[[Flight, float, float | None], Awaitable[None]]) -> None:
         """Runs `plan` (planned serially: nothing is in flight) and, while each step runs, launches
-        the next one ahead when it can be (module docstring); each step's results are applied once
-        it returned, while the next one runs."""
+        the next one ahead when it can be (module docstring); each step's results are handled once
+        it returned, while the next one runs (`after_step(flight, forward_s, host_s)`). `seqs`: the
+        generator's live sequences (read when deciding the next step); `owner`: the compute
+        thread's name for the generator; `host_s`: the event loop's time before this chain."""
+        def settle(entry) -> None:  # a step abandoned: its quarantine goes out in a report at once
+            self.grants.note(entry)
+            report(())
         async with trio.open_nursery() as nursery:
             flight = self._launch(nursery, plan, [Planned(SeqView.of(p.seq), p.tokens, p.new_blocks, p.decode)
-                                                  for p in plan], copies=True)
+                                                  for p in plan], owner, settle, copies=True)
             flight.report = plan
             previous_end = None
             while flight is not None:
-                nxt = self._ahead(nursery, flight)
+                nxt = self._ahead(nursery, flight, seqs, owner, settle)
                 if nxt is not None or previous_end is None:  # one report per step launched
-                    self._report((nxt or flight).report)
+                    report((nxt or flight).report)
                 if previous_end is not None:  # the event loop's work since the last step returned
-                    self._host_time = time.monotonic() - previous_end
+                    host_s = time.monotonic() - previous_end
                 await flight.done.wait()
                 if nxt is not None:
                     # the compute thread goes from step n to n+1's forward first: every torch op of
@@ -142,37 +112,30 @@ class StepOverlap:
                         await nxt.entered.wait()
                 forward = flight.returned - max(flight.launched, previous_end or flight.launched)
                 previous_end = time.monotonic()
-                self._count_step(forward, self._host_time)
-                self._host_time = None
-                flight.results = await self._results(flight.out)  # its tokens' host copy, awaited here
-                await self._apply_results(flight.plan, flight.results, round(forward, 6))
-                self._landed(flight)
-                self._take_waiting()
-                self._drop_aborted()
-                self.progressed()  # a step returned: the stall watchdog times the next one from here
+                await after_step(flight, forward, host_s)
+                host_s = None
                 flight = nxt
-        self._step_end = time.monotonic()
 
-    def _launch(self, nursery, plan: list[Planned], views: list[Planned], copies: bool = False,
-                after: Flight | None = None, built=None) -> Flight:
+    def _launch(self, nursery, plan: list[Planned], views: list[Planned], owner: str | None, settle,
+                copies: bool = False, after: Flight | None = None, built=None) -> Flight:
         """Starts a step on the compute thread; `after`: the step it must be queued behind (trio
         starts tasks in no fixed order, the compute thread runs its queue in order)."""
-        flight = Flight(plan, views)
+        executor = self.executor
+        flight = Flight(plan, views, executor.take_copies() if copies else [])
         for p in plan:
-            self._flying[id(p.seq)] += 1
-        taken = self._copies if copies else []
-        abandoned = self._quarantine(views, taken)
+            self.flying[id(p.seq)] += 1
+        abandoned = self.fences.quarantine(views, flight.copies, settle)
 
         async def run() -> None:
             if after is not None:
                 await after.queued.wait()
             try:
-                out = await compute.run(self._step, views, taken, self._incarnation, built,
-                                        abandon_on_cancel=True, owner=self.key, if_abandoned=abandoned,
+                out = await compute.run(executor.step, views, flight.copies, executor.incarnation, built,
+                                        abandon_on_cancel=True, owner=owner, if_abandoned=abandoned,
                                         submitted=flight.queued.set)
             finally:
-                if copies:
-                    self._release_copies()
+                for c in flight.copies:  # made (or never to be): their sources go back in the next report
+                    self.grants.note(Release(c.pin))
             flight.returned = time.monotonic()
             flight.out = out
             flight.done.set()
@@ -180,12 +143,12 @@ class StepOverlap:
         nursery.start_soon(run)
         return flight
 
-    def _ahead(self, nursery, flight: Flight) -> Flight | None:
+    def _ahead(self, nursery, flight: Flight, seqs: list, owner: str | None, settle) -> Flight | None:
         """The next step, launched now behind `flight` when every live sequence decodes in it and
         none needs its result on the host first; else None (the next step is planned serially)."""
-        if not self.overlap or self._copies or not flight.plan:
+        if not self.enabled or flight.copies or self.executor.copies or not flight.plan:
             return None
-        live = [s for s in self.seqs if s.state in LIVE]
+        live = [s for s in seqs if s.state in LIVE]
         flying = {id(p.seq) for p in flight.plan}
         if any(not p.decode for p in flight.plan) or any(id(s) not in flying for s in live):
             return None  # a prefill's end, or someone waiting: its state must come back first
@@ -201,42 +164,44 @@ class StepOverlap:
             return None  # the refill, or a preemption, is decided serially
         plan = []
         for s, n in zip(going, needs):
-            self._draw(s, n)
+            self.grants.draw(s, n)
             plan.append(Planned(s, 1, n, True))
         views = [Planned(SeqView.ahead(p.seq), 1, p.new_blocks, True) for p in plan]
         # the whole step built here, while the step before it runs — inputs, attention metadata,
         # sampling plan (the compute thread gathers the tokens that step samples on the device)
-        built = self._build(views)
-        ahead = self._launch(nursery, plan, views, after=flight, built=built)
+        built = self.executor.builder.build(views)
+        ahead = self._launch(nursery, plan, views, owner, settle, after=flight, built=built)
         built.entered = _from_thread(ahead.entered.set)  # called on the compute thread
         # what the step after this one will draw: these sequences are two tokens further than their state
         ahead.report = [Planned(s, 2, 0, True) for s in going]
         return ahead
 
-    def _landed(self, flight: Flight) -> None:
+    def landed(self, flight: Flight) -> None:
         """`flight` returned: the releases held for sequences no longer in any step in flight go out."""
         for p in flight.plan:
-            self._flying[id(p.seq)] -= 1
-            if self._flying[id(p.seq)] <= 0:
-                del self._flying[id(p.seq)]
-        self._flush_held()
+            self.flying[id(p.seq)] -= 1
+            if self.flying[id(p.seq)] <= 0:
+                del self.flying[id(p.seq)]
+        self.flush_held()
 
-    def _flush_held(self, everything: bool = False) -> None:
+    def flush_held(self, everything: bool = False) -> None:
+        """The held releases of sequences no step in flight carries go to the next report (all of
+        them with `everything`: no step is in flight any more, or those are fenced)."""
         if everything:
-            self._flying.clear()
+            self.flying.clear()
         keep = []
-        for key, entry in self._held:
-            if self._flying.get(key):
+        for key, entry in self.held:
+            if self.flying.get(key):
                 keep.append((key, entry))
             else:
-                self._note(entry)
-        self._held = keep
+                self.grants.note(entry)
+        self.held = keep
 
-    def _hold_release(self, seq, entry) -> bool:
+    def hold_release(self, seq, entry: Release) -> bool:
         """Holds `entry` (the Release of `seq`) while a step in flight carries `seq`; False: none does."""
-        if not self._flying.get(id(seq)):
+        if not self.flying.get(id(seq)):
             return False
-        self._held.append((id(seq), entry))
+        self.held.append((id(seq), entry))
         return True
 
 

@@ -1,62 +1,20 @@
 """What the generator samples in a step, row by row, and how a sampled token reads to the caller.
 
-`row_specs` turns the sequences due a token into `RowSpec`s (a choice-0 sequence whose prefill
-ends also samples its other choices' first tokens from its row); `banned_ids` says which tokens a
-sequence may not draw now; `assembler` makes a request's detokenizer; `TokenPieces` gives the
-text and bytes of token ids for OpenAI's logprobs objects.
+(The rows a step samples and the tokens a sequence may not draw are built with the step:
+`engine.step_inputs`.) `assembler` makes a request's detokenizer; `TokenPieces` gives the text
+and bytes of token ids for OpenAI's logprobs objects; `Lexicon` holds both tables of a model.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from mmserve.actors.messages import TokenLogprob
-from mmserve.actors.sequence import Sequence
-from mmserve.generation.step_sampling import RowSpec, Sampled
+from mmserve.generation.grammar import Grammars
+from mmserve.generation.step_sampling import Sampled
 from mmserve.generation.stops import TextAssembler
 from mmserve.inputs.request import ChatRequest
 from mmserve.models.adapter import Adapter
-
-
-def row_specs(rows: list[tuple[int, Sequence]], banned: Callable[[Sequence], torch.Tensor],
-              grammar_rows: dict[int, int]) -> tuple[list[RowSpec], list[tuple[int, int]]]:
-    """The specs of `rows` ((logits row, sequence) each) and, per spec, (position in `rows`,
-    choice). `grammar_rows` maps id(sequence) to its row of the step's grammar mask."""
-    specs, owners = [], []
-    for k, (r, seq) in enumerate(rows):
-        params = seq.params
-        prompt = seq.ids[:seq.prompt_len] if params.repetition_penalty != 1.0 else ()
-        answer = seq.tokens if params.penalized else ()
-        ban, grow = banned(seq), grammar_rows.get(id(seq))
-        # a seeded choice draws from its own generator (reproducible); the others share the device's
-        seeded = params.seed is not None
-        specs.append(RowSpec(r, params, seq.rng if seeded else None, ban, prompt, answer, grow))
-        owners.append((k, seq.choice))
-        for c, (rng, _) in enumerate(seq.forks, 1):  # its other choices' first tokens: same row
-            specs.append(RowSpec(r, params, rng if seeded else None, ban, prompt, answer, grow))
-            owners.append((k, c))
-    return specs, owners
-
-
-def banned_ids(seq: Sequence, image_token: torch.Tensor, eos: torch.Tensor, vocab_size: int,
-               image_and_eos: torch.Tensor | None = None) -> torch.Tensor:
-    """The tokens `seq` may not draw now: the image placeholder always; EOS for the whole answer
-    with `ignore_eos` (vLLM: EOS does not end it; banning it makes `max_tokens` end it), and EOS and
-    `stop_token_ids` before `min_tokens` (as vLLM's min-tokens processor). A grammar says itself
-    when the answer may end: a constrained sequence gets neither ban. `image_and_eos`: the two
-    together, made once (a step asks for every sequence's bans)."""
-    params = seq.params
-    if seq.matcher is not None:
-        return image_token
-    early = len(seq.tokens) < params.min_tokens
-    if not early and not params.ignore_eos:
-        return image_token
-    stops = [t for t in params.stop_token_ids if t < vocab_size] if early else []
-    if not stops and image_and_eos is not None:
-        return image_and_eos
-    return torch.cat([image_token, eos, torch.tensor(stops, dtype=torch.long)] if stops else [image_token, eos])
 
 
 def assembler(adapter: Adapter, request: ChatRequest) -> TextAssembler:
@@ -109,3 +67,26 @@ def _without(piece: tuple[str, tuple[int, ...]], lead: str) -> tuple[str, tuple[
         return piece
     text = piece[0][len(lead):]
     return text, tuple(text.encode())
+
+
+class Lexicon:
+    """A model's compiled grammars (llguidance) and its token pieces (text and bytes, for logprobs):
+    both costly to make, so made on first use — at admission of the first request that needs them
+    (there a failure fails that request alone)."""
+
+    def __init__(self, adapter: Adapter):
+        self._adapter = adapter
+        self._grammars: Grammars | None = None
+        self.pieces: TokenPieces | None = None  # made by `want_pieces`
+
+    @property
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            a = self._adapter
+            self._grammars = Grammars(a.tokenizer, a.vocab_size, a.eos_token_ids)
+        return self._grammars
+
+    def want_pieces(self) -> TokenPieces:
+        if self.pieces is None:
+            self.pieces = TokenPieces(self.grammars.token_bytes)
+        return self.pieces

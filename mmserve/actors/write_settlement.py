@@ -1,6 +1,6 @@
 """Which of the values queued for a write have settled (written, failed or dropped), in queue
 order, and an event for "every value queued so far has settled": a response that committed blocks
-ends once any replica can find them (`SharedTier.deliver_after_writes`)."""
+ends once any replica can find them (`SharedTier.notify_after_writes`)."""
 
 from __future__ import annotations
 

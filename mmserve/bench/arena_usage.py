@@ -34,8 +34,8 @@ class ArenaUsage:
         loaded = rt.registry.require(model)
         self._generator, self._manager = loaded.generator, loaded.prefix_cache
         self.block_size: int = self._generator.block_size
-        self.block_bytes: int = self._generator.kv.block_bytes
-        self.num_blocks: int = self._generator.kv.num_blocks
+        self.block_bytes: int = self._generator.arena.block_bytes
+        self.num_blocks: int = self._generator.arena.num_blocks
         self.samples: list[Sample] = []
 
     def sample(self) -> None:

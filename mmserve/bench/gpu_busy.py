@@ -66,7 +66,7 @@ async def measure_host_share(generator, all_decoding: trio.Event, steps: int = 3
 
 async def measure_busy(generator, all_decoding: trio.Event, steps: int = 32, timeout_s: float = 60.0) -> dict:
     """GPU busy over `steps` generator steps, from when `all_decoding` is set; on a CPU run, n/a."""
-    if not torch.cuda.is_available() or generator.kv.device.type != "cuda":
+    if not torch.cuda.is_available() or generator.arena.device.type != "cuda":
         return {"status": "n/a (not a CUDA run)"}
     from torch.profiler import ProfilerActivity, profile
 

@@ -37,9 +37,10 @@ def build_model_actors(config: Config, adapter, metrics=None, kv_events=None) ->
     # the manager and the generator send to each other: the manager's inbox is made first
     to_manager = trio.open_memory_channel(math.inf)
     generator = Generator(adapter, to_manager[0], runner, kv, gen, metrics, overlap=rt.overlap,
-                          # with a shared tier, a Release carries the finish: the manager delivers it
-                          # once the answer's blocks are written (see `Release`)
-                          finish_after_flush=caching_tier is not None and bool(config.shared_cache.finish_flush_ms))
+                          # with a shared tier, a finish waits until the manager says the answer's blocks
+                          # are written (`FinishFlushed`), at most finish_flush_ms (None: at once)
+                          finish_flush_s=(config.shared_cache.finish_flush_ms / 1000
+                                          if caching_tier is not None and config.shared_cache.finish_flush_ms else None))
     # the runner's write fence starts each manager life, with or without a shared tier
     manager = PrefixCacheManager(adapter.name, kv, runner.kv.num_blocks, runner=runner, generator=generator.inbox_send,
                                  shared=caching_tier, events=kv_events if kv.prefix_caching else None,

@@ -145,7 +145,7 @@ async def _embedded_level(b: Bench, requests: list, tokens: int) -> dict:
                 out = await run_level(rt, None, requests, tokens, None, send=send)
                 nursery.cancel_scope.cancel()
             weights = sum(t.numel() * t.element_size() for t in loaded.adapter.model.parameters())
-            kv_bytes = loaded.generator.kv.nbytes
+            kv_bytes = loaded.generator.arena.nbytes
     out["kv"] = usage.summary(len(requests))
     out["gpu_busy"] = busy
     out["host_share"] = host
