@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from mmserve.generation import decode_graphs
-from mmserve.generation.runner import ModelRunner
-from mmserve.generation.vision_step import VisionPath
+from mmserve.engine import decode_graphs
+from mmserve.engine.runner import ModelRunner
+from mmserve.engine.vision_step import VisionPath
 from mmserve.models.fixed_tower import TowerViews
 from mmserve.models.demo import build_untrained
 from mmserve.models.demo.qwen import build_untrained_qwen

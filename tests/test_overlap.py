@@ -18,11 +18,11 @@ from mmserve import Runtime
 from mmserve.actors import generator as generator_module
 from mmserve.bench.stand_in import StandInForward
 from mmserve.errors import MMServeError
-from mmserve.generation.decode_graphs import DecodeBuffers
+from mmserve.engine.decode_graphs import DecodeBuffers
 from mmserve.generation.sampling import SamplingParams, make_generator
-from mmserve.generation.step_sampling import (DeviceSample, RowSpec, Sampled, plan_sampling, sample_on_device,
+from mmserve.engine.step_sampling import (DeviceSample, RowSpec, Sampled, plan_sampling, sample_on_device,
                                               sample_rows)
-from mmserve.models.paged import PagedBatch
+from mmserve.engine.arena import PagedBatch
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from tests.helpers import ask, assert_nothing_held
 

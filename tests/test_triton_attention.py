@@ -1,4 +1,4 @@
-"""The paged Triton attention kernels (mmserve.attention.triton_paged) against the SDPA reference
+"""The paged Triton attention kernels (mmserve.engine.attention.triton_paged) against the SDPA reference
 backend, over random block tables — scattered and consecutive ids, block sizes 1/16/32, lengths
 1-700, GQA groups 1/4/7/8, fp32 and bf16 — and the backend interface around them.
 
@@ -28,11 +28,11 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, if nothing imported it yet
 import triton  # noqa: E402  (in the dev extra: these tests run, they never skip)
 
-from mmserve.attention import (AttentionBackendUnavailable, ModelFeatures, PagedMetadata, SdpaBackend,  # noqa: E402
+from mmserve.engine.attention import (AttentionBackendUnavailable, ModelFeatures, PagedMetadata, SdpaBackend,  # noqa: E402
                                UnsupportedAttentionFeature, select, write_kv)
-from mmserve.attention import triton_paged  # noqa: E402
-from mmserve.models.paged import KVArena, PagedBatch, Segment  # noqa: E402
-from mmserve.models.paged_forward import KWARG, STEP_MASK, paged_attention_forward  # noqa: E402
+from mmserve.engine.attention import triton_paged  # noqa: E402
+from mmserve.engine.arena import KVArena, PagedBatch, Segment  # noqa: E402
+from mmserve.engine.paged_forward import KWARG, STEP_MASK, paged_attention_forward  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5),
        # bf16 output: 1 ulp is 2^-8 relative (2^-7 in the interpreter, which truncates fp32 -> bf16)
@@ -278,7 +278,7 @@ def test_the_kernels_compile_for_an_h100(tmp_path):
 
 
 def test_sdpa_backend_is_todays_paged_attention_and_plain_attention():
-    """The reference computes what `models.paged_forward.paged_attention_forward` (the CPU's serving path)
+    """The reference computes what `engine.paged_forward.paged_attention_forward` (the CPU's serving path)
     computes, and what dense causal attention over each sequence's own keys gives."""
     rng = random.Random(13)
     specs = [(37, 1), (5, 1), (0, 21), (50, 9)]

@@ -12,7 +12,7 @@ from mmserve.actors.sequence import LIVE, Sequence, SeqState
 from mmserve.cache.kv_event_records import BlockRouting, routing_group
 from mmserve.errors import MMServeError
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.step_sampling import Sampled
+from mmserve.engine.step_sampling import Sampled
 
 
 class Answers:

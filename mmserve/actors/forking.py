@@ -10,7 +10,7 @@ from mmserve.actors.messages import Release, copy_pin
 from mmserve.actors.token_rows import assembler as text_assembler
 from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.step_sampling import Sampled
+from mmserve.engine.step_sampling import Sampled
 
 
 class Forking:

@@ -2,7 +2,7 @@
 
 It receives prepared sequences — the cached prefix already at the start of their block tables,
 encoder outputs for the images the prefix does not cover. Each step is ONE forward over the
-arena's block tables (`generation.runner.ModelRunner`, which owns the arena): a decode token of every running sequence and
+arena's block tables (`engine.runner.ModelRunner`, which owns the arena): a decode token of every running sequence and
 prefill chunks of waiting ones, packed to `max_batched_tokens` (`generation.scheduler`); the
 blocks those tokens need are drawn from a reservation the cache manager refills — one report and
 at most one refill per step, never awaited (`actors.block_grants`); when a decode token finds no
@@ -39,13 +39,13 @@ from mmserve.actors.token_rows import TokenPieces, assembler as text_assembler, 
 from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.errors import MMServeError, ServiceUnavailable
-from mmserve.generation.write_fence import STEP_IDS
+from mmserve.engine.write_fence import STEP_IDS
 from mmserve.generation.grammar import Grammars, MaskJob
 from mmserve.generation.sampling import make_generator
-from mmserve.generation.step_sampling import sample_on_device
+from mmserve.engine.step_sampling import sample_on_device
 from mmserve.generation.scheduler import Planned, never_fits, plan_step
 from mmserve.models.adapter import Adapter
-from mmserve.generation.runner import ModelRunner
+from mmserve.engine.runner import ModelRunner
 
 
 class Generator(BlockGrants, StepFences, StepOverlap, StepBuilding, Answers, Forking, Actor):

@@ -1,6 +1,6 @@
 """The manager's half of the step fence (a part of `PrefixCacheManager`): the blocks a step the
 generator abandoned may still write — or any writer of the arena still in flight when the manager
-starts a new life (`generation.write_fence`) — are held under `StepFence(step)`: never allocated,
+starts a new life (`engine.write_fence`) — are held under `StepFence(step)`: never allocated,
 kept across the manager's restarts, until that step's `StepReturned` (see `actors.step_fences`)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class QuarantineSide:
                       quarantined_blocks=self.quarantined_blocks)
 
     def _fence_writers(self) -> None:
-        """This life begins on the runner's write fence (`generation.write_fence`): a writer of the
+        """This life begins on the runner's write fence (`engine.write_fence`): a writer of the
         arena still in flight from an earlier life — a step, a restore — is quarantined like an
         abandoned step, before anything of this life is granted, until it returns."""
         if self.kv is None:

@@ -18,10 +18,10 @@ from mmserve.actors.sequence import Sequence
 from mmserve.actors.step_overlap import CARRIED, origin
 from mmserve.actors.token_rows import row_specs
 from mmserve.errors import ServiceUnavailable
-from mmserve.generation.runner import StepInputs
+from mmserve.engine.runner import StepInputs
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.step_sampling import SamplingPlan, plan_sampling
-from mmserve.models.paged import Segment
+from mmserve.engine.step_sampling import SamplingPlan, plan_sampling
+from mmserve.engine.arena import Segment
 
 
 @dataclass(eq=False)

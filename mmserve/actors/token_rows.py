@@ -14,7 +14,7 @@ import torch
 
 from mmserve.actors.messages import TokenLogprob
 from mmserve.actors.sequence import Sequence
-from mmserve.generation.step_sampling import RowSpec, Sampled
+from mmserve.engine.step_sampling import RowSpec, Sampled
 from mmserve.generation.stops import TextAssembler
 from mmserve.inputs.request import ChatRequest
 from mmserve.models.adapter import Adapter

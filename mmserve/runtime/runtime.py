@@ -33,15 +33,15 @@ from mmserve.inputs.request import ChatRequest, parse_chat_request
 from mmserve.inputs.tokenize import parse_detokenize, parse_tokenize
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
-from mmserve.generation.runner import ModelRunner
-from mmserve.generation.vision_step import VisionPath, image_buckets_for
+from mmserve.engine.runner import ModelRunner
+from mmserve.engine.vision_step import VisionPath, image_buckets_for
 from mmserve.runtime import gc_heap, tokenization
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.registry import ModelRegistry
 from mmserve.runtime.routing_keys import routing_keys
 from mmserve.runtime.sizing import context_tokens, kv_budget
 from mmserve.models.batch_invariant import fingerprint
-from mmserve.models.paged import KVArena
+from mmserve.engine.arena import KVArena
 from mmserve.runtime.stream import ChatCompletion, ChatStream, Delta, complete, new_request_id
 from mmserve.runtime.supervisor import Health, Supervisor, not_serving_yet
 

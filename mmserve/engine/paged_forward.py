@@ -18,14 +18,14 @@ as its mask function.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from mmserve.attention import AttentionBackend, PagedMetadata, UnsupportedAttentionFeature, write_kv
+from mmserve.engine.attention import AttentionBackend, PagedMetadata, UnsupportedAttentionFeature, write_kv
 
 ATTN_IMPLEMENTATION = "mmserve_paged"
 """The name the paged attention function is registered under (`AttentionInterface`)."""
@@ -109,3 +109,25 @@ def step_positions(position_ids: torch.Tensor, positions: torch.Tensor | None, d
     own [1, T]."""
     return position_ids if positions is None else positions.to(device).unsqueeze(1)
 
+
+
+@torch.inference_mode()
+def forward_paged(adapter, inputs_embeds: torch.Tensor, segments: Sequence, arena,
+                  positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None,
+                  lm_kwargs: dict | None = None, spans=None) -> torch.Tensor:
+    """One ragged step of `adapter`'s language model over a paged KV arena through the CPU's SDPA
+    path, for tests and tools (serving steps go through `engine.runner.ModelRunner`):
+    `inputs_embeds` [1, T, H] concatenates every segment's new tokens; `positions` [3, T] gives
+    M-RoPE positions. Returns float logits [len(segments), vocab] of each segment's last token,
+    then those of the new tokens `extra_rows` indexes (in T), if any. `spans`: per segment, its
+    sequence's bidirectional spans (`PromptInputs.bidirectional`)."""
+    from mmserve.engine.arena import PagedBatch
+
+    batch = PagedBatch(arena, segments, spans)
+    if inputs_embeds.shape[:2] != (1, batch.tokens):
+        raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
+                         f"{batch.tokens} new tokens as [1, T, hidden]")
+    use_paged_attention(adapter)
+    rows = batch.last_index if extra_rows is None else torch.cat([batch.last_index, extra_rows.to(adapter.device)])
+    return forward_step(adapter, inputs_embeds.to(adapter.device, adapter.dtype),
+                        step_positions(batch.position_ids, positions, adapter.device), batch, rows, lm_kwargs)

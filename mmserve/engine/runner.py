@@ -1,13 +1,13 @@
 """ModelRunner: the generator's engine — the one room where a model step touches the device.
 
-It owns the model's KV arena (`models.paged.KVArena`: nothing else writes its tensors — a forked
+It owns the model's KV arena (`engine.arena.KVArena`: nothing else writes its tensors — a forked
 choice's block copy and a shared-tier restore go through `copy_block` and `write_blocks`), the
 attention backend (`[runtime] attention_backend`, checked against what the model needs at
 construction), and, with a capturable backend (the Triton kernels), the static decode step
 (`decode_graphs`): its input buffers and, on CUDA, a graph per batch bucket. The generator hands
 it a step (`StepInputs`: every sequence's new tokens, their segments of the arena, image rows,
 M-RoPE positions) and gets back float logits on the device, which it samples right after, with
-one transfer to the host (`generation.step_sampling`).
+one transfer to the host (`engine.step_sampling`).
 
 A step takes one of three paths:
 - **static decode** — every sequence has one new token and no image row, and the backend is
@@ -21,10 +21,10 @@ A step takes one of three paths:
   bucket, more sequences than `max_batch`, a table wider than the static width), one that wants a
   prompt's own logprobs (`extra_rows`: a row count that follows the data), and every step with the
   `sdpa` backend (the CPU's path: per-sequence SDPA reading consecutive blocks in place,
-  `models.paged.PagedBatch`). `eager_reasons` counts why (the `mmserve:eager_steps` metric).
+  `engine.arena.PagedBatch`). `eager_reasons` counts why (the `mmserve:eager_steps` metric).
 
 Families keep transformers' model classes: the runner calls the adapter's language model with
-the paged attention as its implementation (`models.paged_forward`), never a copy of it.
+the paged attention as its implementation (`engine.paged_forward`), never a copy of it.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from collections import Counter
 import numpy as np
 import torch
 
-from mmserve.attention import AttentionBackend, ModelFeatures, PagedMetadata, select
-from mmserve.generation.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
-from mmserve.generation.mixed_step import MixedBuffers, token_buckets
-from mmserve.generation.write_fence import WriteFence
+from mmserve.engine.attention import AttentionBackend, ModelFeatures, PagedMetadata, select
+from mmserve.engine.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
+from mmserve.engine.mixed_step import MixedBuffers, token_buckets
+from mmserve.engine.write_fence import WriteFence
 from mmserve.models import batch_invariant
-from mmserve.models.paged import KVArena, PagedBatch, Segment
-from mmserve.models.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, \
+from mmserve.engine.arena import KVArena, PagedBatch, Segment
+from mmserve.engine.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, \
     step_positions, use_paged_attention
 
 

@@ -37,6 +37,8 @@ import math
 import numpy as np
 import torch
 
+from mmserve.models.batch_invariant import pointwise
+
 from .backend import AttentionBackend, PagedMetadata
 
 KEY_BLOCK = 16
@@ -180,23 +182,3 @@ def _key_ends(meta: PagedMetadata, i: int, offsets: np.ndarray, q_ends: np.ndarr
     if q_ends is None:
         return np.arange(start + 1, start + n + 1)
     return q_ends[offsets[i]:offsets[i] + n].astype(np.int64)
-
-
-def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """`fn` (an elementwise op) of `x`, with every element on the op's vectorized path. ATen's CPU
-    loops compute the last `numel % 32` elements of a thread's chunk with the scalar function,
-    whose last bit can differ from the vector one (measured: silu, tanh-gelu, quick-gelu, cos of a
-    row of 344 elements differ between a call of 1 row and of 16): so a row's result would follow
-    the number of rows. Padded with zeros to a multiple of 32 x lcm(1..threads) elements, every
-    thread's chunk is whole vectors."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    unit = _pointwise_unit(torch.get_num_threads())
-    padded = -(-n // unit) * unit
-    if padded != n or not flat.is_contiguous():
-        flat = torch.cat([flat, flat.new_zeros(padded - n)])
-    return fn(flat)[:n].view(x.shape)
-
-
-def _pointwise_unit(threads: int) -> int:
-    return 32 * math.lcm(*range(1, max(1, threads) + 1))

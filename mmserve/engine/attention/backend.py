@@ -4,7 +4,7 @@ reference backend (`selection.select` picks a backend by name).
 A backend computes one layer's attention for one step of the ragged batch: the step's new tokens
 (`query` [T, heads, head_dim], packed sequence after sequence) against each sequence's keys in
 the arena (`key_cache`/`value_cache` [num_blocks, block_size, kv_heads, head_dim], the layer's
-tensors of `models.paged.KVArena`, the step's own K/V already written: `write_kv`), as described
+tensors of `engine.arena.KVArena`, the step's own K/V already written: `write_kv`), as described
 by `PagedMetadata`. Positions (rotary, M-RoPE's three rows) are applied before attention, so every
 backend serves M-RoPE models; what a backend must implement itself — GQA, a sliding window,
 bidirectional spans (e.g. image tokens that see each other), logit soft-capping — it declares in
@@ -18,7 +18,7 @@ part of the step (`PagedMetadata.spans`, and per new token the end of the keys i
 
 Backends: `sdpa` (here) — per sequence, its keys read in place when its blocks are consecutive
 ids or gathered otherwise, then `torch.nn.functional.scaled_dot_product_attention` with the
-causal diagonal offset by the cached length: the attention `models/paged.py` computes today
+causal diagonal offset by the cached length: the attention `engine/arena.py` computes today
 (tested equal), without its CPU speed-ups (decode tokens batched into one call), and the reference
 the Triton kernels are tested against. `triton` (`triton_paged.py`) — a split-KV decode
 kernel and a prefill kernel reading K/V through the block tables, no gather; on CUDA, or on the
@@ -134,7 +134,7 @@ class PagedMetadata:
     def build(cls, segments: Sequence, block_size: int, device: torch.device | str = "cpu",
               max_blocks: int | None = None, spans: Sequence[Sequence[tuple[int, int]]] | None = None
               ) -> "PagedMetadata":
-        """From segments (anything with `block_table`, `start`, `length`: `models.paged.Segment`).
+        """From segments (anything with `block_table`, `start`, `length`: `engine.arena.Segment`).
         `max_blocks` pads the table tensor to a fixed width (a static buffer's); default: the
         longest table the step uses. `spans`: per segment, the sequence's bidirectional spans
         ([lo, hi) absolute positions whose tokens see each other: `key_ends`), or None."""

@@ -1,10 +1,10 @@
 """Attention backends over the paged KV arena: the interface, the SDPA reference, `select`; the
 Triton kernels in `triton_paged` (imported only when chosen: triton is optional on the CPU).
-Imports only torch, numpy, triton and the bottom layer: `models.paged` will call into it."""
+Part of the engine (`mmserve.engine`); `engine.paged_forward` calls into it."""
 
 from .backend import (FEATURES, NAMES, AttentionBackend, AttentionBackendUnavailable, ModelFeatures,
                       PagedMetadata, SdpaBackend, UnsupportedAttentionFeature, write_kv)
-from .selection import select
+from .selection import check_attention, select
 
 __all__ = ["FEATURES", "NAMES", "AttentionBackend", "AttentionBackendUnavailable", "ModelFeatures",
-           "PagedMetadata", "SdpaBackend", "UnsupportedAttentionFeature", "select", "write_kv"]
+           "PagedMetadata", "SdpaBackend", "UnsupportedAttentionFeature", "check_attention", "select", "write_kv"]

@@ -9,7 +9,7 @@ bookkept elsewhere; this module holds only the tensors and the step that reads a
 One step runs the language model once over a ragged batch: the new tokens of every `Segment` (a
 decode token of each running sequence, a prefill chunk of each waiting one) concatenated into
 `inputs_embeds` [1, T, hidden], with each token's absolute position in `position_ids`
-(`models.paged_forward` runs it; `PagedBatch` is the step of the CPU's SDPA path).
+(`engine.paged_forward` runs it; `PagedBatch` is the step of the CPU's SDPA path).
 
 Per layer `PagedBatch.attend` scatters the step's new K/V into their slots (one `index_copy_`), then
 reads each sequence's KV [0, start+length). A sequence whose blocks are consecutive ids (what the
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmserve.attention.backend import step_mask, step_spans
+from mmserve.engine.attention.backend import step_mask, step_spans
 
 
 class KVArena:
