@@ -18,7 +18,8 @@ import torch
 from mmserve.models.demo import Q_COLOR, Q_FIRST, Q_SHAPE, render_image
 from tests.kv_reference import stack_kv
 from mmserve.models.llava import LlavaAdapter
-from mmserve.engine.arena import KVArena, PagedBatch, Segment
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.attention import SdpaBackend
 from mmserve.engine.paged_forward import ATTN_IMPLEMENTATION, forward_paged
 
 BLOCK = 4
@@ -175,7 +176,7 @@ def test_decode_reads_consecutive_tables_in_place_and_gathers_the_rest(adapter):
     tok_a, tok_d = int(first[0].argmax()), int(first[1].argmax())
     tb = tuple(range(start + 40, start + 40 + -(-nb // BLOCK)))
     segs = [Segment(ta, na, 1), Segment(tb, 0, nb), Segment(td, nd, 1)]
-    batch = PagedBatch(blocks.arena, segs)
+    batch = SdpaBackend().layout(blocks.arena.metadata(segs))  # what each query reads
     assert [row for row, _ in batch.decode_views] == [0]  # A's token is row 0 of the step
     assert batch.decode_views[0][1] == slice(start * BLOCK, start * BLOCK + na + 1)
     assert batch.decode_rows.tolist() == [nb + 1]  # D's token, after A's and B's chunk
@@ -229,11 +230,11 @@ def test_bad_segments_are_refused(adapter):
     with pytest.raises(ValueError):
         Segment((0,), 0, 0)
     with pytest.raises(ValueError):  # table too short
-        PagedBatch(blocks.arena, [Segment((0, 1), 0, 9)])
+        blocks.arena.metadata([Segment((0, 1), 0, 9)])
     with pytest.raises(ValueError):  # block outside the arena
-        PagedBatch(blocks.arena, [Segment((0, 8), 0, 6)])
+        blocks.arena.metadata([Segment((0, 8), 0, 6)])
     with pytest.raises(ValueError):  # two new tokens, one slot
-        PagedBatch(blocks.arena, [Segment((0,), 0, 2), Segment((0,), 1, 1)])
+        blocks.arena.metadata([Segment((0,), 0, 2), Segment((0,), 1, 1)])
     arena = blocks.arena
     assert arena.block_bytes * arena.num_blocks == arena.nbytes
     assert arena.block_bytes == 2 * adapter.kv_layers * BLOCK * adapter.kv_heads * adapter.head_dim * 4
@@ -278,10 +279,10 @@ def test_measure_paged_decode_against_contiguous_decode(adapter):
         forward_paged(adapter, one, segs, blocks.arena)
         pstate["start"] = [s + 1 for s in pstate["start"]]
 
-    def plan_only():  # the step's metadata (PagedBatch) alone
-        PagedBatch(blocks.arena, [Segment(t, s, 1) for t, s in zip(tables, pstate["start"])])
+    def plan_only():  # the step's metadata and the sdpa backend's layout of it alone
+        SdpaBackend().layout(blocks.arena.metadata([Segment(t, s, 1) for t, s in zip(tables, pstate["start"])]))
 
-    slots = PagedBatch(blocks.arena, [Segment(t, s, 1) for t, s in zip(tables, lengths)]).decode_slots.view(-1)
+    slots = SdpaBackend().layout(blocks.arena.metadata([Segment(t, s, 1) for t, s in zip(tables, lengths)])).decode_slots.view(-1)
 
     def gather_only():  # the paged step's KV gathers alone (all layers, K and V)
         for layer in range(blocks.arena.layers):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from mmserve.engine.attention import PagedMetadata
-from mmserve.engine.attention.backend import key_ends, step_spans
+from mmserve.engine.attention.masks import key_ends, step_spans
 from mmserve.engine.arena import Segment
 
 SMALLEST_TOKEN_BUCKET = 16

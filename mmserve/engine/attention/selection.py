@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from .backend import NAMES, AttentionBackend, AttentionBackendUnavailable, ModelFeatures, SdpaBackend, \
-    UnsupportedAttentionFeature
+from .backend import NAMES, AttentionBackend, AttentionBackendUnavailable, ModelFeatures, UnsupportedAttentionFeature
+from .sdpa import SdpaBackend
 
 
 def select(name: str, device: torch.device | str, deterministic: bool = False) -> AttentionBackend:
