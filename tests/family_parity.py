@@ -16,9 +16,9 @@ import trio
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from mmserve import Runtime
-from mmserve.models.demo import render_image
 from mmserve.engine.arena import KVArena, Segment
 from mmserve.engine.paged_forward import forward_paged
+from mmserve.models.demo import render_image
 from tests.helpers import image_part
 
 MARGIN_ABS = 1e-4  # logits and top-2 margins: mmserve vs transformers

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmserve.engine.attention import PagedMetadata, SdpaBackend, select
-from mmserve.engine.attention.backend import AttentionBackendUnavailable, key_ends
-from mmserve.engine.attention.deterministic import DeterministicSdpaBackend
-from mmserve.models.batch_invariant import pointwise
-from mmserve.models.batch_invariant import fingerprint, invariant_linear, pack
 from mmserve.engine.arena import Segment
+from mmserve.engine.attention import PagedMetadata, SdpaBackend, select
+from mmserve.engine.attention.backend import AttentionBackendUnavailable
+from mmserve.engine.attention.masks import key_ends
+from mmserve.engine.attention.deterministic import DeterministicSdpaBackend
+from mmserve.models.batch_invariant import fingerprint, invariant_linear, pack, pointwise
 
 BS = 16
 

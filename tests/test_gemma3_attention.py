@@ -29,9 +29,9 @@ from transformers import Gemma3TextConfig  # noqa: E402
 from transformers.models.gemma3.modeling_gemma3 import (  # noqa: E402
     create_masks_for_vision_model, eager_attention_forward, get_block_sequence_ids_for_mask)
 
+from mmserve.engine.arena import KVArena, Segment  # noqa: E402
 from mmserve.engine.attention import PagedMetadata, SdpaBackend, UnsupportedAttentionFeature, select  # noqa: E402
 from mmserve.engine.attention.masks import key_ends, step_spans  # noqa: E402
-from mmserve.engine.arena import KVArena, Segment  # noqa: E402
 from mmserve.engine.paged_forward import BackendStep  # noqa: E402
 
 HEADS, KV_HEADS, D, BS = 4, 2, 16, 4

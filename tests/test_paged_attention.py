@@ -17,10 +17,10 @@ import torch
 
 from mmserve.models.demo import Q_COLOR, Q_FIRST, Q_SHAPE, render_image
 from tests.kv_reference import stack_kv
-from mmserve.models.llava import LlavaAdapter
 from mmserve.engine.arena import KVArena, Segment
 from mmserve.engine.attention import SdpaBackend
 from mmserve.engine.paged_forward import ATTN_IMPLEMENTATION, forward_paged
+from mmserve.models.llava import LlavaAdapter
 
 BLOCK = 4
 TOL = 1e-4

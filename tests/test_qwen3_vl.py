@@ -26,13 +26,13 @@ from mmserve.cache import keys as K
 from mmserve.cache.keys import SEED_MM_HASH, image_header, mm_hash_image, processor_digest
 from mmserve.cli import main as cli
 from mmserve.config import Config, ModelConfig
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.paged_forward import forward_paged
 from mmserve.errors import UnsupportedModelType
 from mmserve.models.demo import build_untrained
 from mmserve.models.demo.qwen import QWEN_PRESETS, build_image_processor, build_qwen_config
 from mmserve.models.demo.tokenizer import build_qwen_tokenizer
 from mmserve.models.loading import check_checkpoint, load_adapter
-from mmserve.engine.arena import KVArena, Segment
-from mmserve.engine.paged_forward import forward_paged
 from mmserve.models.qwen3_vl import Qwen3VLAdapter
 from mmserve.models.random_weights import MARKER, read_marker
 from tests.family_parity import MARGIN_ABS, FamilyParity

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mmserve.cache.keys import MM_HASH_GRID_LAYOUT_VERSION, image_identity
-from mmserve.models.demo import render_image
-from mmserve.models.loading import load_adapter
 from mmserve.engine.arena import KVArena, Segment
 from mmserve.engine.paged_forward import forward_paged
+from mmserve.models.demo import render_image
+from mmserve.models.loading import load_adapter
 from mmserve.models.qwen2_vl import Qwen2VLAdapter
 
 

@@ -22,13 +22,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mmserve.engine.attention import select
 from mmserve.engine import decode_graphs
+from mmserve.engine.arena import Segment
+from mmserve.engine.attention import select
 from mmserve.engine.decode_graphs import DecodeGraphs, bucket_of, buckets
 from mmserve.engine.mixed_step import token_buckets
 from mmserve.engine.runner import ModelRunner, StepInputs
 from mmserve.models.loading import load_adapter
-from mmserve.engine.arena import Segment
 
 triton_paged = pytest.importorskip("mmserve.engine.attention.triton_paged")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -30,8 +30,8 @@ import triton  # noqa: E402  (in the dev extra: these tests run, they never skip
 
 from mmserve.engine.attention import (AttentionBackendUnavailable, ModelFeatures, PagedMetadata, SdpaBackend,  # noqa: E402
                                UnsupportedAttentionFeature, select, write_kv)
-from mmserve.engine.attention import triton_paged  # noqa: E402
 from mmserve.engine.arena import KVArena, Segment  # noqa: E402
+from mmserve.engine.attention import triton_paged  # noqa: E402
 from mmserve.engine.paged_forward import KWARG, STEP_MASK, BackendStep, paged_attention_forward  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5),

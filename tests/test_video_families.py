@@ -16,13 +16,13 @@ import trio
 
 from mmserve import Runtime
 from mmserve.config import Config, ModelConfig, VideoConfig
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.paged_forward import forward_paged
 from mmserve.errors import BadRequest
 from mmserve.inputs.video import decode_video
 from mmserve.models.demo import build_untrained, render_image
 from mmserve.models.demo.render_video import encode_mp4, render_clip, video_data_url
 from mmserve.models.loading import load_adapter
-from mmserve.engine.arena import KVArena, Segment
-from mmserve.engine.paged_forward import forward_paged
 from mmserve.models.qwen3_video import resized_size as qwen3_resized
 from mmserve.models.qwen_video import video_patches
 from mmserve.models.video_item import VideoItem, VideoSampling
