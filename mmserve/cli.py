@@ -16,7 +16,8 @@ from mmserve.logs import configure_logging, get_logger
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import serve
     from mmserve.config import load_config, with_models
-    from mmserve.models.loading import check_attention, check_checkpoint
+    from mmserve.engine.attention import check_attention
+    from mmserve.models.loading import check_checkpoint
 
     try:
         config = load_config(args.config)

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from mmserve.generation import decode_graphs
-from mmserve.generation.runner import ModelRunner
-from mmserve.generation.vision_step import VisionPath
-from mmserve.models.fixed_tower import TowerViews
+from mmserve.engine import decode_graphs
+from mmserve.engine.runner import ModelRunner
+from mmserve.engine.vision_step import VisionPath
 from mmserve.models.demo import build_untrained
 from mmserve.models.demo.qwen import build_untrained_qwen
+from mmserve.models.fixed_tower import TowerViews
 from mmserve.models.loading import load_adapter
 
 DEVICE = "cuda" if torch.cuda.is_available() else sys.exit("a CUDA device is needed")

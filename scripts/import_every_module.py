@@ -5,7 +5,7 @@ extras, so an import that only an extra (or the dev tools) provides shows up her
 user's machine. Modules under `mmserve.bench` may fail only for want of the `bench` extra's own
 modules: `mmserve bench` checks for the extra and says so in one line before importing them. The
 Triton kernels' module may fail only for want of triton: torch's CUDA wheels bring it, and
-`mmserve.attention.selection` imports the module only when that backend is chosen, saying what
+`mmserve.engine.attention.selection` imports the module only when that backend is chosen, saying what
 is missing if it is not installed.
 """
 
@@ -20,7 +20,7 @@ import mmserve
 from mmserve.bench.extra import REQUIRED as BENCH_EXTRA
 
 BENCH = "mmserve.bench"
-TRITON_KERNELS = "mmserve.attention.triton_paged"
+TRITON_KERNELS = "mmserve.engine.attention.triton_paged"
 
 
 def needs_only_the_bench_extra(name: str, err: BaseException) -> bool:

@@ -16,8 +16,9 @@ import trio
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from mmserve import Runtime
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.paged_forward import forward_paged
 from mmserve.models.demo import render_image
-from mmserve.models.paged import KVArena, Segment
 from tests.helpers import image_part
 
 MARGIN_ABS = 1e-4  # logits and top-2 margins: mmserve vs transformers
@@ -39,7 +40,7 @@ def chunked_prefill(adapter, prompt, rows) -> torch.Tensor:
     table = tuple(range(-(-n // 16)))
     for s in range(0, n, 7):  # chunked prefill over the paged arena
         e = min(n, s + 7)
-        logits = adapter.forward_paged(embeds[:, s:e], [Segment(table, s, e - s)], arena,
+        logits = forward_paged(adapter, embeds[:, s:e], [Segment(table, s, e - s)], arena,
                                        adapter.rope_positions(prompt, n, s, e))
     return logits[0]
 

@@ -11,10 +11,10 @@ import shutil
 import pytest
 
 from mmserve import Runtime
-from mmserve.attention.backend import UnsupportedAttentionFeature
 from mmserve.config import Config, ModelConfig
+from mmserve.engine.attention import check_attention
+from mmserve.engine.attention.backend import UnsupportedAttentionFeature
 from mmserve.errors import MMServeError
-from mmserve.models.loading import check_attention
 
 
 def with_text_config(src, dst, **changes):

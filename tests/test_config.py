@@ -301,7 +301,7 @@ def test_the_old_prefix_cache_section_still_works_with_a_deprecation_warning(tmp
 
 
 def test_attention_backend_choices_are_the_attention_packages():
-    from mmserve.attention import NAMES
+    from mmserve.engine.attention import NAMES
     from mmserve.config.checks import ATTENTION_BACKENDS
 
     assert ATTENTION_BACKENDS == NAMES

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.generation.decode_graphs import DecodeBuffers
+from mmserve.engine.decode_graphs import DecodeBuffers
 
 
 def buffers(device: str) -> DecodeBuffers:

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmserve.attention import PagedMetadata, SdpaBackend, select
-from mmserve.attention.backend import AttentionBackendUnavailable, key_ends
-from mmserve.attention.deterministic import DeterministicSdpaBackend, pointwise
-from mmserve.models.batch_invariant import fingerprint, invariant_linear, pack
-from mmserve.models.paged import Segment
+from mmserve.engine.arena import Segment
+from mmserve.engine.attention import PagedMetadata, SdpaBackend, select
+from mmserve.engine.attention.backend import AttentionBackendUnavailable
+from mmserve.engine.attention.masks import key_ends
+from mmserve.engine.attention.deterministic import DeterministicSdpaBackend
+from mmserve.models.batch_invariant import fingerprint, invariant_linear, pack, pointwise
 
 BS = 16
 
@@ -161,7 +162,7 @@ def test_selection_and_fingerprint():
 def test_the_mode_is_installed_only_when_asked(tiny_model_dir):
     """The default runner leaves the model's layers and encoder as they are; the deterministic one
     swaps every linear layer, and encodes an image alone whatever its batch."""
-    from mmserve.generation.runner import ModelRunner
+    from mmserve.engine.runner import ModelRunner
     from mmserve.models.batch_invariant import DeterministicModeUnavailable, check_available
     from mmserve.models.demo import render_image
     from mmserve.models.llava import LlavaAdapter

@@ -13,14 +13,15 @@ import pytest
 import torch
 from transformers import Gemma3ImageProcessorPil, Gemma3Processor
 
-from mmserve.attention import ModelFeatures, SdpaBackend
 from mmserve.cli import main as cli
 from mmserve.config import Config, ModelConfig
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.attention import ModelFeatures, SdpaBackend
+from mmserve.engine.paged_forward import forward_paged
 from mmserve.models.demo import render_image
 from mmserve.models.demo.gemma3 import GEMMA3_PRESETS, build_gemma3_config, build_gemma3_tokenizer
 from mmserve.models.gemma3 import Gemma3Adapter, soft_runs
 from mmserve.models.loading import check_checkpoint, load_adapter
-from mmserve.models.paged import KVArena, Segment
 from mmserve.models.random_weights import MARKER, read_marker
 from tests.conftest import on_device
 from tests.family_parity import MARGIN_ABS, FamilyParity
@@ -135,7 +136,7 @@ def _paged_prefill(adapter, prompt, rows, chunk: int):
     while seq.kv_len < n:
         s = seq.kv_len
         e = s + prefill_chunk(seq, chunk, alone=True)
-        logits = adapter.forward_paged(embeds[:, s:e], [Segment(table, s, e - s)], arena, spans=[prompt.bidirectional])
+        logits = forward_paged(adapter, embeds[:, s:e], [Segment(table, s, e - s)], arena, spans=[prompt.bidirectional])
         seq.kv_len = e
     return logits
 

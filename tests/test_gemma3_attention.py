@@ -1,5 +1,5 @@
 """Explicit masks in the paged attention (issue 31): per-layer sliding windows and bidirectional
-spans (Gemma 3's images), for every backend — the CPU's `PagedBatch`, the `sdpa` backend and the
+spans (Gemma 3's images), for every backend — the `sdpa` backend (the CPU's serving path), its deterministic variant and the
 Triton kernels (through Triton's interpreter here, compiled on a GPU) — against transformers'
 eager Gemma 3 attention over the masks transformers itself builds (`create_masks_for_vision_model`
 from `token_type_ids`: OR(causal, same image), AND window for sliding layers).
@@ -29,10 +29,10 @@ from transformers import Gemma3TextConfig  # noqa: E402
 from transformers.models.gemma3.modeling_gemma3 import (  # noqa: E402
     create_masks_for_vision_model, eager_attention_forward, get_block_sequence_ids_for_mask)
 
-from mmserve.attention import PagedMetadata, SdpaBackend, UnsupportedAttentionFeature, select  # noqa: E402
-from mmserve.attention.backend import key_ends, step_spans  # noqa: E402
-from mmserve.models.paged import KVArena, PagedBatch, Segment  # noqa: E402
-from mmserve.models.paged_forward import BackendStep  # noqa: E402
+from mmserve.engine.arena import KVArena, Segment  # noqa: E402
+from mmserve.engine.attention import PagedMetadata, SdpaBackend, UnsupportedAttentionFeature, select  # noqa: E402
+from mmserve.engine.attention.masks import key_ends, step_spans  # noqa: E402
+from mmserve.engine.paged_forward import BackendStep  # noqa: E402
 
 HEADS, KV_HEADS, D, BS = 4, 2, 16, 4
 SCALE = 0.25
@@ -102,11 +102,7 @@ def run(backend: str, seqs, window: int | None, hit: int = 0) -> list[torch.Tens
         q = torch.cat([s.q[st:st + n] for s, _, (st, n) in live]).to(DEVICE)
         k = torch.cat([s.k[st:st + n] for s, _, (st, n) in live]).to(DEVICE)
         v = torch.cat([s.v[st:st + n] for s, _, (st, n) in live]).to(DEVICE)
-        if backend == "paged":
-            step = PagedBatch(arena, segments, spans)
-        else:
-            meta = PagedMetadata.build(segments, BS, DEVICE, spans=spans)
-            step = BackendStep(arena, select(backend, DEVICE), meta)
+        step = BackendStep(arena, backend_named(backend), arena.metadata(segments, spans))
         o = step.attend(0, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], SCALE,
                         window=window)[0].cpu()
         at = 0
@@ -127,7 +123,13 @@ def workload(seed: int):
     return [a, b]
 
 
-BACKENDS = ["paged", "sdpa", "triton"]
+BACKENDS = ["sdpa", "sdpa_deterministic", "triton"]
+
+
+def backend_named(name: str):
+    if name == "sdpa_deterministic":
+        return select("sdpa", DEVICE, deterministic=True)
+    return select(name, DEVICE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -159,7 +161,7 @@ def test_the_masks_ignore_nothing():
     assert key_ends(5, 6, ((4, 8),)).tolist() == [8, 8, 8, 9, 10, 11]
     arena = KVArena.allocate(1, 8, BS, KV_HEADS, D)
     with pytest.raises(ValueError, match="inside the bidirectional span"):
-        PagedBatch(arena, [Segment((0, 1, 2), 0, 8)], [((3, 12),)])
+        arena.metadata([Segment((0, 1, 2), 0, 8)], [((3, 12),)])
 
     class Causal(SdpaBackend):
         supports = frozenset({"gqa", "mrope_positions"})
@@ -178,7 +180,7 @@ def test_the_masks_ignore_nothing():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_reads_only_the_window(backend):
     """Decode in a sliding layer: every key before the window is NaN, and the output is still the
-    reference's (a kernel that read a NaN key, even masked, would give NaN); PagedBatch counts the
+    reference's (a kernel that read a NaN key, even masked, would give NaN); the sdpa layout counts the
     slots it reads: the window, not the sequence."""
     window, length = 8, 40
     rng = torch.Generator().manual_seed(3)
@@ -194,17 +196,14 @@ def test_decode_reads_only_the_window(backend):
     seg = Segment(table, length - 1, 1)
     args = (q[-1:].transpose(0, 1)[None].to(DEVICE), k[-1:].transpose(0, 1)[None].to(DEVICE),
             v[-1:].transpose(0, 1)[None].to(DEVICE), SCALE)
-    if backend == "paged":
-        step = PagedBatch(arena, [seg])
-    else:
-        step = BackendStep(arena, select(backend, DEVICE), PagedMetadata.build([seg], BS, DEVICE))
+    step = BackendStep(arena, backend_named(backend), arena.metadata([seg]))
     out = step.attend(0, *args, window=window)[0].cpu()
     ref = hf_eager(q, k, v, length, (), window)[-1:]
     torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
-    if backend == "paged":
-        assert step.slots_read[0] == window
+    if backend == "sdpa":
+        assert step.backend.layout(step.meta, window, HEADS // KV_HEADS, KV_HEADS).reads == window
         step.attend(0, *args)  # a global layer reads every key (NaN here)
-        assert step.slots_read[0] == length
+        assert step.backend.layout(step.meta, None, HEADS // KV_HEADS, KV_HEADS).reads == length
 
 
 def test_the_scheduler_never_splits_a_bidirectional_span():

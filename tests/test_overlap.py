@@ -18,11 +18,11 @@ from mmserve import Runtime
 from mmserve.actors import step_executor as executor_module
 from mmserve.bench.stand_in import StandInForward
 from mmserve.errors import MMServeError
-from mmserve.generation.decode_graphs import DecodeBuffers
+from mmserve.engine.decode_graphs import DecodeBuffers
 from mmserve.generation.sampling import SamplingParams, make_generator
-from mmserve.generation.step_sampling import (DeviceSample, RowSpec, Sampled, plan_sampling, sample_on_device,
+from mmserve.engine.step_sampling import (DeviceSample, RowSpec, Sampled, plan_sampling, sample_on_device,
                                               sample_rows)
-from mmserve.models.paged import PagedBatch
+from mmserve.engine.attention import PagedMetadata
 from mmserve.models.demo import Q_COLOR, Q_SHAPE, render_image
 from tests.helpers import ask, assert_nothing_held
 
@@ -218,7 +218,7 @@ async def test_step_launched_ahead_is_built_off_the_compute_thread_and_gathers_i
     assert len(ahead) >= 5, builds
     for thread, _, prepared, sampling in ahead:
         assert not thread.startswith("mmserve-compute")  # built on the event loop
-        assert isinstance(prepared, PagedBatch) and sampling is not None and sampling.plan.specs
+        assert isinstance(prepared, PagedMetadata) and sampling is not None and sampling.plan.specs
     assert unpacked_on and not any(t.startswith("mmserve-compute") for t in unpacked_on)
     # each carried token is what the step before sampled, taken from its device tensor
     carried = 0

@@ -1,4 +1,4 @@
-"""Paged attention (mmserve.models.paged + LlavaAdapter.forward_paged) reproduces the contiguous
+"""Paged attention (mmserve.engine.arena + LlavaAdapter.forward_paged) reproduces the contiguous
 prefill/decode path: one-shot and chunked prefill, decode, a mixed ragged step, prefix hits.
 
 The arena is filled with NaN before use, so a read of any slot no step has written poisons the
@@ -17,9 +17,10 @@ import torch
 
 from mmserve.models.demo import Q_COLOR, Q_FIRST, Q_SHAPE, render_image
 from tests.kv_reference import stack_kv
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.attention import SdpaBackend
+from mmserve.engine.paged_forward import ATTN_IMPLEMENTATION, forward_paged
 from mmserve.models.llava import LlavaAdapter
-from mmserve.models.paged import KVArena, PagedBatch, Segment
-from mmserve.models.paged_forward import ATTN_IMPLEMENTATION
 
 BLOCK = 4
 TOL = 1e-4
@@ -81,7 +82,7 @@ def test_one_shot_prefill_matches_prefill(adapter):
     embeds = prompt_embeds(adapter)
     blocks = Blocks(adapter)
     seg = Segment(blocks.take(embeds.shape[1]), 0, embeds.shape[1])
-    logits = adapter.forward_paged(embeds, [seg], blocks.arena)
+    logits = forward_paged(adapter, embeds, [seg], blocks.arena)
     ref = adapter.prefill(embeds)
     assert logits.shape == (1, adapter.vocab_size) and logits.dtype == torch.float32
     assert close(logits[0], ref.logits[0]) < TOL
@@ -104,14 +105,14 @@ def test_chunked_prefill_then_decode_matches(adapter):
     table, start = (), 0
     for end in (7, 18, n):  # chunk ends off block boundaries on purpose
         table = blocks.take(end, table)
-        logits = adapter.forward_paged(embeds[:, start:end], [Segment(table, start, end - start)], blocks.arena)
+        logits = forward_paged(adapter, embeds[:, start:end], [Segment(table, start, end - start)], blocks.arena)
         start = end
     assert close(logits[0], ref_logits[0]) < TOL
     ids = []
     for step in range(5):
         ids.append(int(logits[0].argmax()))
         table = blocks.take(start + 1, table)
-        logits = adapter.forward_paged(token_embeds(adapter, [ids[-1]]), [Segment(table, start, 1)], blocks.arena)
+        logits = forward_paged(adapter, token_embeds(adapter, [ids[-1]]), [Segment(table, start, 1)], blocks.arena)
         start += 1
         assert close(logits[0], ref_logits[step + 1]) < TOL, step
     assert ids == ref_ids
@@ -133,7 +134,7 @@ def test_mixed_step_matches_each_sequence_alone(adapter):
     # earlier step: A and D prefilled, B's first chunk (three prefill segments in one forward)
     b_cut = 13
     ta, td, tb = blocks.take(na), blocks.take(nd), blocks.take(b_cut)
-    first = adapter.forward_paged(torch.cat([a, d, b[:, :b_cut]], dim=1),
+    first = forward_paged(adapter, torch.cat([a, d, b[:, :b_cut]], dim=1),
                                   [Segment(ta, 0, na), Segment(td, 0, nd), Segment(tb, 0, b_cut)], blocks.arena)
 
     # the mixed step: A and D decode a token, B prefills its next chunk, C prefills after the
@@ -146,7 +147,7 @@ def test_mixed_step_matches_each_sequence_alone(adapter):
             Segment(td, nd, 1)]
     embeds = torch.cat([token_embeds(adapter, [tok_a]), b[:, b_cut : nb - 5], c[:, shared:],
                         token_embeds(adapter, [tok_d])], dim=1)
-    logits = adapter.forward_paged(embeds, segs, blocks.arena)
+    logits = forward_paged(adapter, embeds, segs, blocks.arena)
     assert logits.shape == (4, adapter.vocab_size)
 
     ref_a, ids_a = reference_greedy(adapter, a, 1)
@@ -171,16 +172,16 @@ def test_decode_reads_consecutive_tables_in_place_and_gathers_the_rest(adapter):
     blocks.free = [i for i in blocks.free if i < start]
     ta = tuple(range(start, start + -(-(na + 1) // BLOCK)))  # consecutive, room for its decode token
     td = blocks.take(nd + 1)  # shuffled
-    first = adapter.forward_paged(torch.cat([a, d], dim=1), [Segment(ta, 0, na), Segment(td, 0, nd)], blocks.arena)
+    first = forward_paged(adapter, torch.cat([a, d], dim=1), [Segment(ta, 0, na), Segment(td, 0, nd)], blocks.arena)
     tok_a, tok_d = int(first[0].argmax()), int(first[1].argmax())
     tb = tuple(range(start + 40, start + 40 + -(-nb // BLOCK)))
     segs = [Segment(ta, na, 1), Segment(tb, 0, nb), Segment(td, nd, 1)]
-    batch = PagedBatch(blocks.arena, segs)
+    batch = SdpaBackend().layout(blocks.arena.metadata(segs))  # what each query reads
     assert [row for row, _ in batch.decode_views] == [0]  # A's token is row 0 of the step
     assert batch.decode_views[0][1] == slice(start * BLOCK, start * BLOCK + na + 1)
     assert batch.decode_rows.tolist() == [nb + 1]  # D's token, after A's and B's chunk
     assert isinstance(batch.prefill[0][2], slice)  # B's chunk reads its keys in place too
-    logits = adapter.forward_paged(torch.cat([token_embeds(adapter, [tok_a]), b, token_embeds(adapter, [tok_d])],
+    logits = forward_paged(adapter, torch.cat([token_embeds(adapter, [tok_a]), b, token_embeds(adapter, [tok_d])],
                                              dim=1), segs, blocks.arena)
     ref_a, ids_a = reference_greedy(adapter, a, 1)
     ref_d, ids_d = reference_greedy(adapter, d, 1)
@@ -197,7 +198,7 @@ def test_prefix_hit_reuses_blocks_without_copying(adapter):
     common = next(i for i in range(min(na, nc)) if not torch.equal(a[0, i], c[0, i]))
     blocks = Blocks(adapter, seed=3)
     ta = blocks.take(na)
-    adapter.forward_paged(a, [Segment(ta, 0, na)], blocks.arena)
+    forward_paged(adapter, a, [Segment(ta, 0, na)], blocks.arena)
     ref = adapter.prefill(c).logits[0]
 
     # hit on the full blocks of the common prefix: the table starts with A's block ids
@@ -205,7 +206,7 @@ def test_prefix_hit_reuses_blocks_without_copying(adapter):
     tc = blocks.take(nc, ta[: shared // BLOCK])
     before = [t.clone() for t in (*blocks.arena.keys, *blocks.arena.values)]
     ptrs = [t.data_ptr() for t in (*blocks.arena.keys, *blocks.arena.values)]
-    logits = adapter.forward_paged(c[:, shared:], [Segment(tc, shared, nc - shared)], blocks.arena)
+    logits = forward_paged(adapter, c[:, shared:], [Segment(tc, shared, nc - shared)], blocks.arena)
     assert close(logits[0], ref) < TOL
     own = set(tc[shared // BLOCK :])
     untouched = [i for i in range(blocks.arena.num_blocks) if i not in own]
@@ -220,7 +221,7 @@ def test_prefix_hit_reuses_blocks_without_copying(adapter):
         cow = blocks.free.pop()
         blocks.arena.copy_block(ta[full], cow)
         tc2 = blocks.take(nc, ta[:full] + (cow,))
-        logits = adapter.forward_paged(c[:, common:], [Segment(tc2, common, nc - common)], blocks.arena)
+        logits = forward_paged(adapter, c[:, common:], [Segment(tc2, common, nc - common)], blocks.arena)
         assert close(logits[0], ref) < TOL
 
 
@@ -229,11 +230,11 @@ def test_bad_segments_are_refused(adapter):
     with pytest.raises(ValueError):
         Segment((0,), 0, 0)
     with pytest.raises(ValueError):  # table too short
-        PagedBatch(blocks.arena, [Segment((0, 1), 0, 9)])
+        blocks.arena.metadata([Segment((0, 1), 0, 9)])
     with pytest.raises(ValueError):  # block outside the arena
-        PagedBatch(blocks.arena, [Segment((0, 8), 0, 6)])
+        blocks.arena.metadata([Segment((0, 8), 0, 6)])
     with pytest.raises(ValueError):  # two new tokens, one slot
-        PagedBatch(blocks.arena, [Segment((0,), 0, 2), Segment((0,), 1, 1)])
+        blocks.arena.metadata([Segment((0,), 0, 2), Segment((0,), 1, 1)])
     arena = blocks.arena
     assert arena.block_bytes * arena.num_blocks == arena.nbytes
     assert arena.block_bytes == 2 * adapter.kv_layers * BLOCK * adapter.kv_heads * adapter.head_dim * 4
@@ -258,7 +259,7 @@ def test_measure_paged_decode_against_contiguous_decode(adapter):
     blocks = Blocks(adapter, num_blocks=batch * (320 + reps + 8) // BLOCK + 8, seed=4)
     tables = [blocks.take(n + reps + 2) for n in lengths]
     embeds = torch.cat([token_embeds(adapter, p) for p in prompts], dim=1)
-    adapter.forward_paged(embeds, [Segment(t, 0, n) for t, n in zip(tables, lengths)], blocks.arena)
+    forward_paged(adapter, embeds, [Segment(t, 0, n) for t, n in zip(tables, lengths)], blocks.arena)
 
     caches = [adapter.prefill(token_embeds(adapter, p)).cache for p in prompts]
     cache, mask = stack_kv([tuple((l.keys, l.values) for l in c.layers) for c in caches], capacity=330 + reps)
@@ -275,13 +276,13 @@ def test_measure_paged_decode_against_contiguous_decode(adapter):
 
     def paged_step():
         segs = [Segment(t, s, 1) for t, s in zip(tables, pstate["start"])]
-        adapter.forward_paged(one, segs, blocks.arena)
+        forward_paged(adapter, one, segs, blocks.arena)
         pstate["start"] = [s + 1 for s in pstate["start"]]
 
-    def plan_only():  # the step's metadata (PagedBatch) alone
-        PagedBatch(blocks.arena, [Segment(t, s, 1) for t, s in zip(tables, pstate["start"])])
+    def plan_only():  # the step's metadata and the sdpa backend's layout of it alone
+        SdpaBackend().layout(blocks.arena.metadata([Segment(t, s, 1) for t, s in zip(tables, pstate["start"])]))
 
-    slots = PagedBatch(blocks.arena, [Segment(t, s, 1) for t, s in zip(tables, lengths)]).decode_slots.view(-1)
+    slots = SdpaBackend().layout(blocks.arena.metadata([Segment(t, s, 1) for t, s in zip(tables, lengths)])).decode_slots.view(-1)
 
     def gather_only():  # the paged step's KV gathers alone (all layers, K and V)
         for layer in range(blocks.arena.layers):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mmserve.engine.step_sampling import NO_PROBABILITY, RowSpec, sample_rows
 from mmserve.generation.penalties import apply_penalties
 from mmserve.generation.sampling import SamplingParams, make_generator
-from mmserve.generation.step_sampling import NO_PROBABILITY, RowSpec, sample_rows
 
 V = 12
 

@@ -26,12 +26,13 @@ from mmserve.cache import keys as K
 from mmserve.cache.keys import SEED_MM_HASH, image_header, mm_hash_image, processor_digest
 from mmserve.cli import main as cli
 from mmserve.config import Config, ModelConfig
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.paged_forward import forward_paged
 from mmserve.errors import UnsupportedModelType
 from mmserve.models.demo import build_untrained
 from mmserve.models.demo.qwen import QWEN_PRESETS, build_image_processor, build_qwen_config
 from mmserve.models.demo.tokenizer import build_qwen_tokenizer
 from mmserve.models.loading import check_checkpoint, load_adapter
-from mmserve.models.paged import KVArena, Segment
 from mmserve.models.qwen3_vl import Qwen3VLAdapter
 from mmserve.models.random_weights import MARKER, read_marker
 from tests.family_parity import MARGIN_ABS, FamilyParity
@@ -222,7 +223,7 @@ def _paged_logits(adapter, steps, prompts, rows, lm_kwargs: bool = True):
             segments.append(Segment(tables[i], s, e - s))
             positions.append(adapter.rope_positions(prompts[i], n[i], s, e))
         embeds, kw = adapter.step_inputs(ids, pieces)
-        logits = adapter.forward_paged(embeds, segments, arena, torch.cat(positions, dim=1),
+        logits = forward_paged(adapter, embeds, segments, arena, torch.cat(positions, dim=1),
                                        lm_kwargs=kw if lm_kwargs else None)
         for (i, s, e), row in zip(step, logits):
             if e == n[i]:

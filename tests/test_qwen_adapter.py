@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from mmserve.cache.keys import MM_HASH_GRID_LAYOUT_VERSION, image_identity
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.paged_forward import forward_paged
 from mmserve.models.demo import render_image
 from mmserve.models.loading import load_adapter
-from mmserve.models.paged import KVArena, Segment
 from mmserve.models.qwen2_vl import Qwen2VLAdapter
 
 
@@ -47,7 +48,7 @@ def paged_prefill(adapter, prompt, embeds, chunk: int):
     table = tuple(range(-(-(n + 16) // 16)))
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        logits = adapter.forward_paged(embeds[:, s:e], [Segment(table, s, e - s)], arena,
+        logits = forward_paged(adapter, embeds[:, s:e], [Segment(table, s, e - s)], arena,
                                        adapter.rope_positions(prompt, n, s, e))
     return logits, arena, table
 
@@ -98,7 +99,7 @@ def test_paged_greedy_decode_equals_generate(adapter):
     ids = list(prompt.input_ids) + [int(logits[0].argmax())]
     while len(ids) < n + 10:
         m = len(ids)
-        logits = adapter.forward_paged(adapter.embed(ids[-1:]), [Segment(table, m - 1, 1)], arena,
+        logits = forward_paged(adapter, adapter.embed(ids[-1:]), [Segment(table, m - 1, 1)], arena,
                                        adapter.rope_positions(prompt, m, m - 1, m))
         ids.append(int(logits[0].argmax()))
     assert ids[n:] == out[0, n:].tolist()

@@ -1,4 +1,4 @@
-"""Every static step of `generation.runner.ModelRunner` — decode steps per batch bucket, mixed
+"""Every static step of `engine.runner.ModelRunner` — decode steps per batch bucket, mixed
 steps (prefill chunks, image rows, decode tokens beside them) per token bucket — is capturable as
 a CUDA graph: proven on the CPU. Its body runs under `CaptureGuard`, a TorchDispatchMode that records every op and fails
 the test on any host synchronisation (`aten._local_scalar_dense`: `.item()`, `.tolist()`, `bool()`
@@ -22,15 +22,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mmserve.attention import select
-from mmserve.generation import decode_graphs
-from mmserve.generation.decode_graphs import DecodeGraphs, bucket_of, buckets
-from mmserve.generation.mixed_step import token_buckets
-from mmserve.generation.runner import ModelRunner, StepInputs
+from mmserve.engine import decode_graphs
+from mmserve.engine.arena import Segment
+from mmserve.engine.attention import select
+from mmserve.engine.decode_graphs import DecodeGraphs, bucket_of, buckets
+from mmserve.engine.mixed_step import token_buckets
+from mmserve.engine.runner import ModelRunner, StepInputs
 from mmserve.models.loading import load_adapter
-from mmserve.models.paged import Segment
 
-triton_paged = pytest.importorskip("mmserve.attention.triton_paged")
+triton_paged = pytest.importorskip("mmserve.engine.attention.triton_paged")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not triton_paged.interpreter_ready():
     pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported",

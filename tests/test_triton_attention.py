@@ -1,4 +1,4 @@
-"""The paged Triton attention kernels (mmserve.attention.triton_paged) against the SDPA reference
+"""The paged Triton attention kernels (mmserve.engine.attention.triton_paged) against the SDPA reference
 backend, over random block tables — scattered and consecutive ids, block sizes 1/16/32, lengths
 1-700, GQA groups 1/4/7/8, fp32 and bf16 — and the backend interface around them.
 
@@ -28,11 +28,11 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, if nothing imported it yet
 import triton  # noqa: E402  (in the dev extra: these tests run, they never skip)
 
-from mmserve.attention import (AttentionBackendUnavailable, ModelFeatures, PagedMetadata, SdpaBackend,  # noqa: E402
+from mmserve.engine.attention import (AttentionBackendUnavailable, ModelFeatures, PagedMetadata, SdpaBackend,  # noqa: E402
                                UnsupportedAttentionFeature, select, write_kv)
-from mmserve.attention import triton_paged  # noqa: E402
-from mmserve.models.paged import KVArena, PagedBatch, Segment  # noqa: E402
-from mmserve.models.paged_forward import KWARG, STEP_MASK, paged_attention_forward  # noqa: E402
+from mmserve.engine.arena import KVArena, Segment  # noqa: E402
+from mmserve.engine.attention import triton_paged  # noqa: E402
+from mmserve.engine.paged_forward import KWARG, STEP_MASK, BackendStep, paged_attention_forward  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5),
        # bf16 output: 1 ulp is 2^-8 relative (2^-7 in the interpreter, which truncates fp32 -> bf16)
@@ -278,8 +278,8 @@ def test_the_kernels_compile_for_an_h100(tmp_path):
 
 
 def test_sdpa_backend_is_todays_paged_attention_and_plain_attention():
-    """The reference computes what `models.paged_forward.paged_attention_forward` (the CPU's serving path)
-    computes, and what dense causal attention over each sequence's own keys gives."""
+    """The reference, called directly, computes what `engine.paged_forward.paged_attention_forward` (the
+    CPU's serving path: the step's K/V written, then the backend) computes, and what dense causal attention over each sequence's own keys gives."""
     rng = random.Random(13)
     specs = [(37, 1), (5, 1), (0, 21), (50, 9)]
     step = Step(rng, specs, 4, 2, 4, 16, torch.float32, scattered=True)
@@ -292,7 +292,7 @@ def test_sdpa_backend_is_todays_paged_attention_and_plain_attention():
     module = type("Layer", (torch.nn.Module,), {})()
     module.layer_idx = 0
     today, _ = paged_attention_forward(module, step.query.cpu().transpose(0, 1).unsqueeze(0), new_k, new_v, STEP_MASK,
-                                       scaling=1 / 4, **{KWARG: PagedBatch(arena, step.segments)})
+                                       scaling=1 / 4, **{KWARG: BackendStep(arena, SdpaBackend(), arena.metadata(step.segments))})
     torch.testing.assert_close(ours.cpu(), today[0], atol=1e-6, rtol=1e-6)
     offset = 0
     for seg in step.segments:  # dense: explicit softmax over keys [0, start + i] of query i

@@ -16,12 +16,13 @@ import trio
 
 from mmserve import Runtime
 from mmserve.config import Config, ModelConfig, VideoConfig
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.paged_forward import forward_paged
 from mmserve.errors import BadRequest
 from mmserve.inputs.video import decode_video
 from mmserve.models.demo import build_untrained, render_image
 from mmserve.models.demo.render_video import encode_mp4, render_clip, video_data_url
 from mmserve.models.loading import load_adapter
-from mmserve.models.paged import KVArena, Segment
 from mmserve.models.qwen3_video import resized_size as qwen3_resized
 from mmserve.models.qwen_video import video_patches
 from mmserve.models.video_item import VideoItem, VideoSampling
@@ -116,7 +117,7 @@ def chunked_logits(adapter, prompt, rows, chunk: int = 7) -> torch.Tensor:
         pieces = [(max(s, sp.start) - s, r[max(s, sp.start) - sp.start:min(e, sp.start + sp.length) - sp.start])
                   for sp, r in zip(prompt.spans, rows) if max(s, sp.start) < min(e, sp.start + sp.length)]
         embeds, kw = adapter.step_inputs(prompt.input_ids[s:e], pieces)
-        logits = adapter.forward_paged(embeds, [Segment(table, s, e - s)], arena, adapter.rope_positions(prompt, n, s, e),
+        logits = forward_paged(adapter, embeds, [Segment(table, s, e - s)], arena, adapter.rope_positions(prompt, n, s, e),
                                        lm_kwargs=kw)
     return logits[0]
 

@@ -1,5 +1,5 @@
 """The vision towers of fixed-shape families (LLaVA's CLIP, Gemma 3's SigLIP, Idefics3's SigLIP
-tiles) run from static buffers per view-count bucket (`generation.vision_step`; issue 38 item 1):
+tiles) run from static buffers per view-count bucket (`engine.vision_step`; issue 38 item 1):
 proven capturable on the CPU under `CaptureGuard` (tests/test_runner_capture.py: no host sync, no
 data-dependent shape, nothing read outside the static buffers and the weights), with buffers at
 fixed addresses, outputs equal to the eager tower's (`torch.equal` on the CPU: a view's rows depend on
@@ -14,7 +14,7 @@ import torch
 
 from mmserve.config import Config, ModelConfig
 from mmserve.config.sections import RuntimeConfig
-from mmserve.generation.vision_step import StaticVision, VisionPath, image_buckets, image_buckets_for
+from mmserve.engine.vision_step import StaticVision, VisionPath, image_buckets, image_buckets_for
 from mmserve.models.fixed_tower import TowerViews
 from mmserve.models.idefics3 import Idefics3Pixels
 from mmserve.models.loading import load_adapter

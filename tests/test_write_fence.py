@@ -17,7 +17,7 @@ from mmserve import Runtime
 from mmserve.actors import faults
 from mmserve.actors.messages import StepFence
 from mmserve.errors import MMServeError, ServiceUnavailable
-from mmserve.generation.write_fence import WriteFence
+from mmserve.engine.write_fence import WriteFence
 from tests.helpers import assert_nothing_held, wait_until
 from tests.test_manager_faults import LONG
 

@@ -21,7 +21,7 @@ from mmserve.actors.token_rows import Lexicon
 from mmserve.cache.kv_event_records import BlockRouting, routing_group
 from mmserve.errors import MMServeError
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.step_sampling import Sampled
+from mmserve.engine.step_sampling import Sampled
 from mmserve.models.adapter import Adapter
 
 

@@ -24,7 +24,7 @@ from mmserve.cache.encoder_cache import EncoderCache, tensor_nbytes
 from mmserve.cache.keys import encoder_cache_key, key_prefix
 from mmserve.cache.shared_values import KIND_ENCODER, encoder_key
 from mmserve.errors import MMServeError
-from mmserve.generation.vision_step import VisionPath
+from mmserve.engine.vision_step import VisionPath
 from mmserve.models.adapter import Adapter, PromptInputs
 from mmserve.config import EncoderCacheConfig
 from mmserve.actors import compute

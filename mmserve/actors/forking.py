@@ -14,7 +14,7 @@ from mmserve.actors.messages import Forked, Release, copy_pin
 from mmserve.actors.sequence import Sequence
 from mmserve.errors import MMServeError, ServiceUnavailable
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.step_sampling import Sampled
+from mmserve.engine.step_sampling import Sampled
 
 
 async def fork_choices(p: Planned, firsts: list[Sampled], manager: trio.MemorySendChannel, block_size: int,

@@ -1,6 +1,6 @@
 """Generator actor: the scheduler of one model, over the paged KV arena its model runner owns.
 
-Each step is ONE forward over the arena's block tables (`generation.runner.ModelRunner`): a decode
+Each step is ONE forward over the arena's block tables (`engine.runner.ModelRunner`): a decode
 token of every running sequence and prefill chunks of waiting ones, packed to `max_batched_tokens`
 (`generation.scheduler`), sampled on the device with one asynchronous host transfer. Its parts,
 each the only owner of its state (docs/design.md, "The generator's parts"): `grants` (the blocks,
@@ -35,7 +35,7 @@ from mmserve.cache.block_hash import BlockChain
 from mmserve.config import GeneratorConfig, KVCacheConfig
 from mmserve.engine.step_inputs import StepBuilder
 from mmserve.errors import MMServeError, ServiceUnavailable
-from mmserve.generation.runner import ModelRunner
+from mmserve.engine.runner import ModelRunner
 from mmserve.generation.sampling import make_generator
 from mmserve.generation.scheduler import FIFO, Planned, Ranking, displaced, never_fits, plan_step
 from mmserve.models.adapter import Adapter

@@ -3,7 +3,7 @@
 
 A request that scores its prompt skips the prefix-cache lookup (a cached block has KV but no
 logits), so every prompt token is computed. During each of its prefill chunks the step keeps the
-logits rows of the chunk's tokens too (`Adapter.forward_paged(extra_rows=...)`): row j gives the
+logits rows of the chunk's tokens too (`engine.paged_forward.forward_paged(extra_rows=...)`): row j gives the
 distribution of token j+1 given tokens 0..j. On the device: a log-softmax, the next token's
 logprob and rank, the top-k; they come back in the step's one device→host transfer
 (`sample_rows_and`; `engine.step_inputs.PromptRows`). Scores are kept per position on the sequence, so a chunk computed again

@@ -23,9 +23,9 @@ from mmserve.actors.step_fences import written_blocks
 from mmserve.actors.token_rows import Lexicon
 from mmserve.engine.step_inputs import StepBuild, StepBuilder, StepOutput
 from mmserve.generation.grammar import MaskJob
-from mmserve.generation.runner import ModelRunner
+from mmserve.engine.runner import ModelRunner
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.step_sampling import sample_on_device
+from mmserve.engine.step_sampling import sample_on_device
 
 
 class StepExecutor:

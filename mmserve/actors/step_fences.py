@@ -11,7 +11,7 @@ import trio
 
 from mmserve.actors.messages import Quarantine, StepReturned
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.write_fence import STEP_IDS
+from mmserve.engine.write_fence import STEP_IDS
 
 
 def step_returned_sender(manager: trio.MemorySendChannel):

@@ -1,6 +1,6 @@
 """The cache manager's quarantine (a part `PrefixCacheManager` holds): the blocks a step the
 generator abandoned may still write — or any writer of the arena still in flight when the manager
-starts a new life (`generation.write_fence`) — are held in the arena under `StepFence(step)`: never
+starts a new life (`engine.write_fence`) — are held in the arena under `StepFence(step)`: never
 allocated, kept across the manager's restarts, until that step's `StepReturned` (see
 `actors.step_fences`).
 
@@ -56,7 +56,7 @@ class StepQuarantine:
             arena.hold(StepFence(step), blocks)
 
     def fence_writers(self, arena: BlockArena, fence, epoch: int, on_return: Callable[[int], None]) -> None:
-        """Life `epoch` begins on the runner's write fence (`generation.write_fence`): a writer of
+        """Life `epoch` begins on the runner's write fence (`engine.write_fence`): a writer of
         the arena still in flight from an earlier life — a step, a restore — is quarantined like an
         abandoned step, before anything of this life is granted, until it returns (`on_return`)."""
         for writer, blocks in fence.new_epoch(epoch, on_return):

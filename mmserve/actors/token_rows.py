@@ -11,7 +11,7 @@ from typing import Callable
 
 from mmserve.actors.messages import TokenLogprob
 from mmserve.generation.grammar import Grammars
-from mmserve.generation.step_sampling import Sampled
+from mmserve.engine.step_sampling import Sampled
 from mmserve.generation.stops import TextAssembler
 from mmserve.inputs.request import ChatRequest
 from mmserve.models.adapter import Adapter

@@ -22,8 +22,8 @@ import torch
 
 from mmserve.bench.stand_in import winning_tokens
 from mmserve.config.sections import KVCacheConfig
-from mmserve.generation.runner import ModelRunner, StepInputs
-from mmserve.models.paged import Segment
+from mmserve.engine.arena import Segment
+from mmserve.engine.runner import ModelRunner, StepInputs
 
 
 def _sync(device: torch.device) -> None:

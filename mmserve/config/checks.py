@@ -11,7 +11,7 @@ from typing import Any
 BUILTIN_PREFIX = "builtin:"
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
 DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # mmserve.attention.NAMES (a test keeps them equal)
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # mmserve.engine.attention.NAMES (a test keeps them equal)
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's names (Image.format), upper case
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")

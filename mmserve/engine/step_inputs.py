@@ -20,10 +20,10 @@ from typing import Callable
 import torch
 
 from mmserve.errors import ServiceUnavailable
-from mmserve.generation.runner import StepInputs
+from mmserve.engine.runner import StepInputs
 from mmserve.generation.scheduler import Planned
-from mmserve.generation.step_sampling import RowSpec, SamplingPlan, plan_sampling
-from mmserve.models.paged import Segment
+from mmserve.engine.step_sampling import RowSpec, SamplingPlan, plan_sampling
+from mmserve.engine.arena import Segment
 
 CARRIED = -2
 """The token id of a step's input that is the token the previous step sampled for that sequence."""

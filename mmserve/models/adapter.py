@@ -332,28 +332,6 @@ class Adapter(ABC):
         ids = torch.tensor([list(prompt.input_ids)], dtype=torch.long)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
-    @torch.inference_mode()
-    def forward_paged(self, inputs_embeds: torch.Tensor, segments: Sequence, arena,
-                      positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None,
-                      lm_kwargs: dict | None = None, spans=None) -> torch.Tensor:
-        """One ragged step over a paged KV arena through the CPU's SDPA path (`models.paged`), for
-        tests and tools (serving steps go through `generation.runner.ModelRunner`):
-        `inputs_embeds` [1, T, H] concatenates every segment's new tokens; `positions` [3, T] gives
-        M-RoPE positions. Returns float logits [len(segments), vocab] of each segment's last token,
-        then those of the new tokens `extra_rows` indexes (in T), if any. `spans`: per segment, its
-        sequence's bidirectional spans (`PromptInputs.bidirectional`)."""
-        from mmserve.models import paged, paged_forward
-
-        batch = paged.PagedBatch(arena, segments, spans)
-        if inputs_embeds.shape[:2] != (1, batch.tokens):
-            raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
-                             f"{batch.tokens} new tokens as [1, T, hidden]")
-        paged_forward.use_paged_attention(self)
-        rows = batch.last_index if extra_rows is None else torch.cat([batch.last_index, extra_rows.to(self.device)])
-        return paged_forward.forward_step(self, inputs_embeds.to(self.device, self.dtype),
-                                          paged_forward.step_positions(batch.position_ids, positions, self.device),
-                                          batch, rows, lm_kwargs)
-
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 

@@ -14,9 +14,9 @@ is fixed (`tests/test_deterministic.py` pins each):
 - **elementwise transcendental ops** (the MLP's activation, the rotary cos/sin): ATen's CPU loops
   compute the tail of a thread's chunk with the scalar function, a different last bit than the
   vector one, so a row's activation follows the call's row count: they run padded to whole
-  vectors (`attention.deterministic.pointwise`).
+  vectors (`pointwise`).
 - norms (RMSNorm, LayerNorm), softmax and log-softmax reduce each row on its own: measured
-  invariant from 1 to 1,000 rows, left as they are. Attention: `attention.deterministic`.
+  invariant from 1 to 1,000 rows, left as they are. Attention: `engine.attention.deterministic`.
 - **vision towers** encode one image per call (`encode_images` per item): an image's encoder
   output never depends on which images share its call (convolutions and attention over a batch
   of images are not measured invariant; one image at a time they run the same shapes every time).
@@ -31,7 +31,6 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from mmserve.attention.deterministic import pointwise
 from mmserve.errors import CheckpointError
 
 FINGERPRINT = "mmserve-det1"
@@ -140,3 +139,22 @@ def _padded_rotary(forward):
         return tuple(o[..., :t, :] for o in forward(x, position_ids, *args, **kwargs))
     return run
 
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """`fn` (an elementwise op) of `x`, with every element on the op's vectorized path. ATen's CPU
+    loops compute the last `numel % 32` elements of a thread's chunk with the scalar function,
+    whose last bit can differ from the vector one (measured: silu, tanh-gelu, quick-gelu, cos of a
+    row of 344 elements differ between a call of 1 row and of 16): so a row's result would follow
+    the number of rows. Padded with zeros to a multiple of 32 x lcm(1..threads) elements, every
+    thread's chunk is whole vectors."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    unit = _pointwise_unit(torch.get_num_threads())
+    padded = -(-n // unit) * unit
+    if padded != n or not flat.is_contiguous():
+        flat = torch.cat([flat, flat.new_zeros(padded - n)])
+    return fn(flat)[:n].view(x.shape)
+
+
+def _pointwise_unit(threads: int) -> int:
+    return 32 * math.lcm(*range(1, max(1, threads) + 1))

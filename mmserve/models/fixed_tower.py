@@ -1,4 +1,4 @@
-"""What a fixed-shape family's vision tower offers the static encoder path (`generation.vision_step`).
+"""What a fixed-shape family's vision tower offers the static encoder path (`engine.vision_step`).
 
 A family whose tower sees every view at one size — LLaVA's CLIP at its one resolution, Gemma 3's
 SigLIP at its fixed size (pan-and-scan crops are views of that size too), Idefics3's SigLIP per tile

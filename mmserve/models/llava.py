@@ -149,7 +149,7 @@ class LlavaAdapter(Adapter):
         attention_mask: torch.Tensor | None = None,
     ) -> StepOutput:
         """One decode step for a batch: token_ids[b] at positions[b], over a contiguous cache. The
-        runtime decodes through `forward_paged`; this is the model's own path, the reference the
+        runtime decodes through the paged step (`engine.runner`); this is the model's own path, the reference the
         paged one is tested against (as is `Adapter.prefill`, which serves the benchmark's baselines too)."""
         ids = torch.tensor([[t] for t in token_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device)

@@ -59,27 +59,10 @@ def check_checkpoint(name: str, path: str | Path) -> str:
     return kind
 
 
-def check_attention(name: str, path: str | Path) -> None:
-    """Refuses (UnsupportedAttentionFeature) a checkpoint whose language model needs an attention
-    feature the serving path does not implement — soft-capping today; sliding windows and
-    bidirectional image spans are implemented — before its weights load: served anyway, it would
-    give wrong answers, not an error. The serving path's attention is `models.paged`, what the sdpa
-    backend implements (the runner checks the configured backend again)."""
-    from transformers import AutoConfig
-
-    from mmserve.attention.backend import ModelFeatures, SdpaBackend, UnsupportedAttentionFeature
-
-    try:
-        SdpaBackend().check(ModelFeatures.from_config(AutoConfig.from_pretrained(path)))
-    except UnsupportedAttentionFeature as e:
-        raise UnsupportedAttentionFeature(f"model {name!r} ({path}): {e}") from None
-
-
 def load_adapter(name: str, path: str | Path, device: str = "cpu", dtype: str = "float32", *,
                  hash_algorithm: str = "xxh3_128") -> Adapter:
     """Loads the checkpoint at `path` with its family's adapter."""
     kind = check_checkpoint(name, path)
-    check_attention(name, path)
     if kind == "qwen2_vl":
         from mmserve.models.qwen2_vl import Qwen2VLAdapter as cls
     elif kind == "qwen2_5_vl":

@@ -165,7 +165,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 def dense_deepstack(merge):
     """Qwen3-VL's DeepStack merge (`Qwen3VLTextModel._deepstack_process(hidden [1, T, H], mask
     [1, T], rows [n, H])`: `hidden[mask] += rows`), which also takes one row per token — a static
-    step's dense level, zero off the images (`generation.mixed_step`) — and then adds it whole,
+    step's dense level, zero off the images (`engine.mixed_step`) — and then adds it whole,
     with no boolean index (whose output shape follows the mask: a host sync, no CUDA graph). The
     two agree wherever both apply: transformers' form with n == T has every token an image token."""
 

@@ -182,7 +182,7 @@ def _step_path_metrics(rt, c):
 
 
 def _encoder_path_metrics(rt, c):
-    """How the vision tower ran (generation.vision_step): from the static buffers per view bucket (a
+    """How the vision tower ran (engine.vision_step): from the static buffers per view bucket (a
     replayed graph on CUDA), calls split past the largest bucket, and eager calls by reason."""
     static = c("mmserve:encoder_static_runs", "Vision-tower runs from the static buffers (replayed graphs on "
                "CUDA), by view-count bucket (images, crops or tiles padded to it).", ("model_name", "bucket"))

@@ -13,9 +13,9 @@ from mmserve.actors.generator import Generator
 from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.actors.shared_tier import SharedTier
 from mmserve.config import Config
-from mmserve.generation.runner import ModelRunner
-from mmserve.generation.vision_step import VisionPath, image_buckets_for
-from mmserve.models.paged import KVArena
+from mmserve.engine.runner import ModelRunner
+from mmserve.engine.vision_step import VisionPath, image_buckets_for
+from mmserve.engine.arena import KVArena
 from mmserve.runtime.sizing import context_tokens, kv_budget
 
 

@@ -20,7 +20,8 @@ from mmserve.actors.prefix_cache import PrefixCacheManager
 from mmserve.errors import CheckpointError, MMServeError, ModelNotFound, ServiceUnavailable, clip
 from mmserve.logs import get_logger
 from mmserve.models.adapter import Adapter
-from mmserve.models.loading import load_adapter
+from mmserve.engine.attention import check_attention
+from mmserve.models.loading import check_checkpoint, load_adapter
 from mmserve.config import Config, ModelConfig
 from mmserve.inputs.image_budget import UnknownLayout, processing_pixels
 from mmserve.runtime import gc_heap
@@ -185,6 +186,8 @@ class ModelRegistry:
         torch.set_num_threads(1)
         rc = self.config.runtime
         dtype = choose_dtype(rc.dtype, mc.resolved_path(), rc.device)
+        check_checkpoint(mc.name, mc.resolved_path())
+        check_attention(mc.name, mc.resolved_path())  # before the weights load: a feature we lack is refused
         adapter = load_adapter(mc.name, mc.resolved_path(), device=rc.device, dtype=dtype.value,
                                hash_algorithm=self.config.kv_cache.hash)
         adapter.dtype_from = dtype.why  # for the load log line

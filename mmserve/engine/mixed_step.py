@@ -31,9 +31,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from mmserve.attention import PagedMetadata
-from mmserve.attention.backend import key_ends, step_spans
-from mmserve.models.paged import Segment
+from mmserve.engine.arena import Segment
+from mmserve.engine.attention import PagedMetadata
+from mmserve.engine.attention.masks import key_ends, step_spans
 
 SMALLEST_TOKEN_BUCKET = 16
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from mmserve.attention import PagedMetadata
+from mmserve.engine.attention import PagedMetadata
 
 
 def buckets(max_batch: int) -> tuple[int, ...]:

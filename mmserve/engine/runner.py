@@ -1,13 +1,13 @@
 """ModelRunner: the generator's engine — the one room where a model step touches the device.
 
-It owns the model's KV arena (`models.paged.KVArena`: nothing else writes its tensors — a forked
+It owns the model's KV arena (`engine.arena.KVArena`: nothing else writes its tensors — a forked
 choice's block copy and a shared-tier restore go through `copy_block` and `write_blocks`), the
 attention backend (`[runtime] attention_backend`, checked against what the model needs at
 construction), and, with a capturable backend (the Triton kernels), the static decode step
 (`decode_graphs`): its input buffers and, on CUDA, a graph per batch bucket. The generator hands
 it a step (`StepInputs`: every sequence's new tokens, their segments of the arena, image rows,
 M-RoPE positions) and gets back float logits on the device, which it samples right after, with
-one transfer to the host (`generation.step_sampling`).
+one transfer to the host (`engine.step_sampling`).
 
 A step takes one of three paths:
 - **static decode** — every sequence has one new token and no image row, and the backend is
@@ -20,11 +20,12 @@ A step takes one of three paths:
 - **eager** — a step too large for the static buffers (more tokens than the largest token
   bucket, more sequences than `max_batch`, a table wider than the static width), one that wants a
   prompt's own logprobs (`extra_rows`: a row count that follows the data), and every step with the
-  `sdpa` backend (the CPU's path: per-sequence SDPA reading consecutive blocks in place,
-  `models.paged.PagedBatch`). `eager_reasons` counts why (the `mmserve:eager_steps` metric).
+  `sdpa` backend (the CPU's path: SDPA per chunk, decode tokens read in place where their blocks
+  are consecutive, `engine.attention.sdpa`). `eager_reasons` counts why (the `mmserve:eager_steps`
+  metric). Every path runs the same `BackendStep` through the configured backend.
 
 Families keep transformers' model classes: the runner calls the adapter's language model with
-the paged attention as its implementation (`models.paged_forward`), never a copy of it.
+the paged attention as its implementation (`engine.paged_forward`), never a copy of it.
 """
 
 from __future__ import annotations
@@ -34,16 +35,15 @@ from typing import Callable, Sequence
 
 from collections import Counter
 
-import numpy as np
 import torch
 
-from mmserve.attention import AttentionBackend, ModelFeatures, PagedMetadata, select
-from mmserve.generation.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
-from mmserve.generation.mixed_step import MixedBuffers, token_buckets
-from mmserve.generation.write_fence import WriteFence
+from mmserve.engine.attention import AttentionBackend, ModelFeatures, PagedMetadata, select
+from mmserve.engine.decode_graphs import DecodeBuffers, DecodeGraphs, bucket_of, buckets
+from mmserve.engine.mixed_step import MixedBuffers, token_buckets
+from mmserve.engine.write_fence import WriteFence
 from mmserve.models import batch_invariant
-from mmserve.models.paged import KVArena, PagedBatch, Segment
-from mmserve.models.paged_forward import BackendStep, STEP_MASK, KWARG, forward_step, \
+from mmserve.engine.arena import KVArena, Segment
+from mmserve.engine.paged_forward import BackendStep, STEP_MASK, KWARG, eager_rows, forward_step, \
     step_positions, use_paged_attention
 
 
@@ -193,19 +193,22 @@ class ModelRunner:
     # -- a step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prepare(self, step: StepInputs) -> PagedBatch | None:
+    def prepare(self, step: StepInputs) -> PagedMetadata | None:
         """The host-side metadata of `step`'s attention, built before the step reaches the compute
         thread — on the event loop while the step before it runs, for a step launched ahead
-        (overlap scheduling): the sdpa path's `PagedBatch` over a CPU arena (fresh tensors each
-        step, so nothing a running step reads is written). None where `forward` builds it itself
-        (the static buffers' fill is a few numpy writes; a GPU arena's metadata is uploaded on the
-        compute thread's stream)."""
-        if self.buffers is None and self.backend.name == "sdpa" and self.kv.device.type == "cpu":
-            return PagedBatch(self.kv, step.segments, step.spans if step.spans and any(step.spans) else None)
+        (overlap scheduling): an eager step's `PagedMetadata` over a CPU arena and the backend's
+        layout of it (`AttentionBackend.prepare`: the sdpa backends'; fresh tensors each step, so
+        nothing a running step reads is written). None where `forward` builds it itself (the static
+        buffers' fill is a few numpy writes; a GPU arena's metadata is uploaded on the compute
+        thread's stream)."""
+        if self.buffers is None and self.kv.device.type == "cpu":
+            meta = self.kv.metadata(step.segments, step.spans if step.spans and any(step.spans) else None)
+            self.backend.prepare(meta, *attention_heads(self.adapter.text_config))
+            return meta
         return None
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs, prepared: PagedBatch | None = None,
+    def forward(self, step: StepInputs, prepared: PagedMetadata | None = None,
                 launching: Callable[[], None] | None = None) -> torch.Tensor:
         """Float logits [len(segments) + len(extra_rows), vocab] on the device: each segment's last
         new token, then the `extra_rows`. `prepared`: `prepare(step)`'s result, if made;
@@ -254,21 +257,15 @@ class ModelRunner:
         return ids.index_copy_(0, at.to(self.device, non_blocking=True), tokens.to(self.device))
 
     def _eager(self, step: StepInputs, reason: str, inputs: tuple[torch.Tensor, dict] | None = None,
-               prepared: PagedBatch | None = None) -> torch.Tensor:
+               prepared: PagedMetadata | None = None) -> torch.Tensor:
         self.eager_steps += 1
         self.eager_reasons[reason] += 1
         adapter = self.adapter
         embeds, lm_kwargs = inputs if inputs is not None else self._embeds(step)
-        spans = step.spans if step.spans and any(step.spans) else None
-        if self.backend.name == "sdpa":
-            attention = prepared if prepared is not None else PagedBatch(self.kv, step.segments, spans)
-            positions, last = attention.position_ids, attention.last_index
-        else:
-            meta = PagedMetadata.build(step.segments, self.block_size, self.device, spans=spans)
-            attention = BackendStep(self.kv, self.backend, meta)
-            positions = torch.from_numpy(np.concatenate(
-                [np.arange(s.start, s.end) for s in step.segments])).unsqueeze(0).to(self.device)
-            last = (meta.cu_seqlens_q[1:] - 1).long()
+        meta = prepared if prepared is not None else \
+            self.kv.metadata(step.segments, step.spans if step.spans and any(step.spans) else None)
+        attention = BackendStep(self.kv, self.backend, meta)
+        positions, last = eager_rows(meta, self.device)
         if embeds.shape[:2] != (1, len(step.ids)):
             raise ValueError(f"inputs_embeds {tuple(embeds.shape)} do not hold the step's {len(step.ids)} tokens")
         rows = last if step.extra_rows is None else torch.cat([last, step.extra_rows.to(self.device)])

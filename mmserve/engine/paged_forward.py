@@ -3,12 +3,12 @@
 The attention function registered here as ``"mmserve_paged"`` becomes the language model's
 attention implementation (`use_paged_attention`, once per loaded model: no twin of the model, no
 copied config). A paged step passes two things down the model's forward: the step itself in
-``kwargs[KWARG]`` (anything with ``attend(layer, query, key, value, scaling)``: the CPU's
-`paged.PagedBatch`, or a `BackendStep` over an `attention` backend), and `STEP_MASK` as its
-``attention_mask``. `STEP_MASK` is a 4-D tensor, which transformers' mask helpers return as they
-find it ("already prepared"): no T x T mask is built, and nothing in the mask code reads the
-step's positions (its packed-sequence detection would cost a host sync a step). The segments
-define the masking; the attention function knows the mask is the step's by identity.
+``kwargs[KWARG]`` (a `BackendStep`: the arena, an attention backend and the step's
+`PagedMetadata`), and `STEP_MASK` as its ``attention_mask``. `STEP_MASK` is a 4-D tensor, which
+transformers' mask helpers return as they find it ("already prepared"): no T x T mask is built, and
+nothing in the mask code reads the step's positions (its packed-sequence detection would cost a
+host sync a step). The metadata defines the masking; the attention function knows the mask is the
+step's by identity.
 
 Any other call of the model — HF's own `generate`, the references the tests and the bench compare
 against — gets transformers' SDPA attention and SDPA masks, unchanged: the registered function
@@ -18,14 +18,15 @@ as its mask function.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Sequence
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from mmserve.attention import AttentionBackend, PagedMetadata, UnsupportedAttentionFeature, write_kv
+from mmserve.engine.attention import AttentionBackend, PagedMetadata, SdpaBackend, UnsupportedAttentionFeature, write_kv
 
 ATTN_IMPLEMENTATION = "mmserve_paged"
 """The name the paged attention function is registered under (`AttentionInterface`)."""
@@ -37,18 +38,13 @@ STEP_MASK = torch.empty(0, 0, 0, 0, dtype=torch.bool)
 """The `attention_mask` of a paged step (see the module docstring); never read as a mask."""
 
 
-class Step(Protocol):
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None, window: int | None = None) -> torch.Tensor:
-        """query [1, heads, T, d], key/value [1, kv_heads, T, d] (rotary applied) -> [1, T, heads, d];
-        `window`: the layer's sliding window (None: every key). The step's bidirectional spans
-        are the step's own (built with it)."""
-
-
 class BackendStep:
     """A step through an attention backend: per layer, the new K/V written at `meta.slot_mapping`
     (one `index_copy_` each), then `backend.forward` over the arena. Every tensor it reads is one
-    of `meta`'s or the arena's, so a step whose `meta` lives in static buffers is capturable."""
+    of `meta`'s or the arena's, so a step whose `meta` lives in static buffers is capturable.
+    `attend`: query [1, heads, T, d], key/value [1, kv_heads, T, d] (rotary applied) -> [1, T,
+    heads, d]; `window`: the layer's sliding window (None: every key); the bidirectional spans
+    are the step's own (in `meta`)."""
 
     def __init__(self, arena, backend: AttentionBackend, meta: PagedMetadata):
         self.arena, self.backend, self.meta = arena, backend, meta
@@ -72,7 +68,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         kwargs.pop(KWARG, None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    step: Step | None = kwargs.get(KWARG)
+    step: BackendStep | None = kwargs.get(KWARG)
     if step is None:
         raise RuntimeError(f"a paged step needs {KWARG}=<its step> in the forward's keyword arguments")
     if kwargs.get("softcap") or (dropout and module.training):
@@ -94,7 +90,7 @@ def use_paged_attention(adapter) -> None:
         config._attn_implementation = ATTN_IMPLEMENTATION
 
 
-def forward_step(adapter, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, step: Step,
+def forward_step(adapter, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, step: BackendStep,
                  rows: torch.Tensor, lm_kwargs: dict | None = None) -> torch.Tensor:
     """The language model over one paged step: `inputs_embeds` [1, T, H], `position_ids` [1, T] (or
     [R, 1, T] for M-RoPE) -> float logits of the new tokens `rows` indexes [len(rows), vocab].
@@ -109,3 +105,32 @@ def step_positions(position_ids: torch.Tensor, positions: torch.Tensor | None, d
     own [1, T]."""
     return position_ids if positions is None else positions.to(device).unsqueeze(1)
 
+
+
+def eager_rows(meta: PagedMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eager step's position ids [1, T] (each new token's absolute position) and each sequence's
+    last new token's index in T [S], from its metadata."""
+    positions = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(meta.starts, meta.lengths)]))
+    return positions.unsqueeze(0).to(device), (meta.cu_seqlens_q[1:] - 1).long()
+
+
+@torch.inference_mode()
+def forward_paged(adapter, inputs_embeds: torch.Tensor, segments: Sequence, arena,
+                  positions: torch.Tensor | None = None, extra_rows: torch.Tensor | None = None,
+                  lm_kwargs: dict | None = None, spans=None, backend: AttentionBackend | None = None) -> torch.Tensor:
+    """One ragged step of `adapter`'s language model over a paged KV arena through `backend`
+    (default: the sdpa backend, the CPU's serving path), for tests and tools (serving steps go
+    through `engine.runner.ModelRunner`): `inputs_embeds` [1, T, H] concatenates every segment's
+    new tokens; `positions` [3, T] gives M-RoPE positions. Returns float logits [len(segments),
+    vocab] of each segment's last token, then those of the new tokens `extra_rows` indexes (in T),
+    if any. `spans`: per segment, its sequence's bidirectional spans (`PromptInputs.bidirectional`)."""
+    meta = arena.metadata(segments, spans)
+    if inputs_embeds.shape[:2] != (1, meta.num_tokens):
+        raise ValueError(f"inputs_embeds {tuple(inputs_embeds.shape)} does not hold the segments' "
+                         f"{meta.num_tokens} new tokens as [1, T, hidden]")
+    use_paged_attention(adapter)
+    position_ids, last = eager_rows(meta, adapter.device)
+    rows = last if extra_rows is None else torch.cat([last, extra_rows.to(adapter.device)])
+    step = BackendStep(arena, backend if backend is not None else SdpaBackend(), meta)
+    return forward_step(adapter, inputs_embeds.to(adapter.device, adapter.dtype),
+                        step_positions(position_ids, positions, adapter.device), step, rows, lm_kwargs)

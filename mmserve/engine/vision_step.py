@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from mmserve.generation.decode_graphs import DecodeGraphs, bucket_of, buckets
+from mmserve.engine.decode_graphs import DecodeGraphs, bucket_of, buckets
 from mmserve.models.fixed_tower import FixedTower, TowerViews
 
 

@@ -1,10 +1,10 @@
-"""The attention-backend interface over the paged KV arena, its step metadata, and the SDPA
-reference backend (`selection.select` picks a backend by name).
+"""The attention-backend interface over the paged KV arena and its step metadata (`selection.select`
+picks a backend by name; `sdpa.py`, `deterministic.py` and `triton_paged.py` implement it).
 
 A backend computes one layer's attention for one step of the ragged batch: the step's new tokens
 (`query` [T, heads, head_dim], packed sequence after sequence) against each sequence's keys in
 the arena (`key_cache`/`value_cache` [num_blocks, block_size, kv_heads, head_dim], the layer's
-tensors of `models.paged.KVArena`, the step's own K/V already written: `write_kv`), as described
+tensors of `engine.arena.KVArena`, the step's own K/V already written: `write_kv`), as described
 by `PagedMetadata`. Positions (rotary, M-RoPE's three rows) are applied before attention, so every
 backend serves M-RoPE models; what a backend must implement itself — GQA, a sliding window,
 bidirectional spans (e.g. image tokens that see each other), logit soft-capping — it declares in
@@ -16,27 +16,28 @@ part of the step (`PagedMetadata.spans`, and per new token the end of the keys i
 `q_ends`: past its own position inside a span). A token's keys are therefore one interval
 [p - window + 1, key_end): transformers' Gemma 3 mask AND(window, OR(causal, same image)).
 
-Backends: `sdpa` (here) — per sequence, its keys read in place when its blocks are consecutive
-ids or gathered otherwise, then `torch.nn.functional.scaled_dot_product_attention` with the
-causal diagonal offset by the cached length: the attention `models/paged.py` computes today
-(tested equal), without its CPU speed-ups (decode tokens batched into one call), and the reference
-the Triton kernels are tested against. `triton` (`triton_paged.py`) — a split-KV decode
-kernel and a prefill kernel reading K/V through the block tables, no gather; on CUDA, or on the
-CPU only under Triton's interpreter (tests).
+Backends: `sdpa` (`sdpa.py`) — torch's `scaled_dot_product_attention` per prefill chunk and over
+the decode tokens, keys read in place where a sequence's blocks are consecutive ids, gathered
+otherwise: the CPU's serving path and the reference the others are tested against;
+`sdpa_deterministic` (`deterministic.py`) — its batch-invariant variant, on the same layout and
+masks; `triton` (`triton_paged.py`) — a split-KV decode kernel and a prefill kernel reading K/V
+through the block tables, no gather; on CUDA, or on the CPU only under Triton's interpreter
+(tests). A backend's host-side layout of a step (what each query reads) is built once per step
+and kept with its metadata (`PagedMetadata.layouts`), read by every layer.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mmserve.errors import CheckpointError
+
+from .masks import key_ends, step_spans
 
 FEATURES = ("gqa", "mrope_positions", "sliding_window", "bidirectional_spans", "softcap")
 """Everything a model may need of its attention beyond plain causal softmax attention."""
@@ -121,6 +122,8 @@ class PagedMetadata:
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None  # int32 [P] each: the prefill
     # programs' (sequence, tile) — a static step's, built for `AttentionBackend.tile_tokens`; None:
     # the backend's own grid over every prefill sequence
+    layouts: dict = field(default_factory=dict, repr=False)  # a host-side backend's layouts of this
+    # step (what each query reads, per window), built once and read by every layer (`SdpaBackend.layout`)
 
     @property
     def num_seqs(self) -> int:
@@ -132,12 +135,14 @@ class PagedMetadata:
 
     @classmethod
     def build(cls, segments: Sequence, block_size: int, device: torch.device | str = "cpu",
-              max_blocks: int | None = None, spans: Sequence[Sequence[tuple[int, int]]] | None = None
-              ) -> "PagedMetadata":
-        """From segments (anything with `block_table`, `start`, `length`: `models.paged.Segment`).
+              max_blocks: int | None = None, spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+              num_blocks: int | None = None) -> "PagedMetadata":
+        """From segments (anything with `block_table`, `start`, `length`: `engine.arena.Segment`).
         `max_blocks` pads the table tensor to a fixed width (a static buffer's); default: the
         longest table the step uses. `spans`: per segment, the sequence's bidirectional spans
-        ([lo, hi) absolute positions whose tokens see each other: `key_ends`), or None."""
+        ([lo, hi) absolute positions whose tokens see each other: `key_ends`), or None.
+        `num_blocks`: the arena's, to refuse a block id outside it and two new tokens in one slot
+        (`KVArena.metadata` passes it)."""
         if not segments:
             raise ValueError("a paged step needs at least one segment")
         starts = tuple(int(s.start) for s in segments)
@@ -145,7 +150,7 @@ class PagedMetadata:
         if min(lengths) < 1 or min(starts) < 0:
             raise ValueError("every segment needs a start >= 0 and at least one new token")
         used = [-(-(st + n) // block_size) for st, n in zip(starts, lengths)]
-        tables = tuple(tuple(int(b) for b in s.block_table[:u]) for s, u in zip(segments, used))
+        tables = tuple(tuple(map(int, s.block_table[:u])) for s, u in zip(segments, used))
         if any(len(t) < u for t, u in zip(tables, used)):
             raise ValueError("a block table is too short for its segment's tokens")
         width = max(used) if max_blocks is None else max_blocks
@@ -154,8 +159,17 @@ class PagedMetadata:
         padded = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
             padded[i, : len(t)] = t
-        slots = np.concatenate([np.asarray(t, dtype=np.int64)[np.arange(st, st + n) // block_size] * block_size
-                                + np.arange(st, st + n) % block_size for t, st, n in zip(tables, starts, lengths)])
+        # per new token (vectorised: a loop over sequences costs ~5 us each): its sequence and position
+        counts = np.asarray(lengths)
+        seq = np.repeat(np.arange(len(lengths)), counts)
+        pos = np.arange(int(counts.sum())) + np.repeat(np.asarray(starts) - (np.cumsum(counts) - counts), counts)
+        slots = padded[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        if num_blocks is not None:
+            if padded.min() < 0 or padded.max() >= num_blocks:  # the zero padding is a valid id
+                bad = sorted(set(padded[(padded < 0) | (padded >= num_blocks)].tolist()))
+                raise ValueError(f"block ids {bad[:4]} are outside the arena (0..{num_blocks - 1})")
+            if len(np.unique(slots)) != len(slots):
+                raise ValueError("two new tokens of the step map to the same arena slot")
         decodes = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
         prefill = lengths[decodes:]
         as_tensor = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(device)  # noqa: E731
@@ -171,32 +185,6 @@ class PagedMetadata:
                    num_decodes=decodes, max_query_len=max(prefill, default=0), block_size=block_size,
                    starts=starts, lengths=lengths, tables=tables, q_ends=q_ends,
                    spans=tuple(own) if any(own) else ())
-
-
-def step_spans(spans: Sequence[tuple[int, int]], start: int, length: int) -> tuple[tuple[int, int], ...]:
-    """The bidirectional spans [lo, hi) among `spans` that hold any of the new tokens [start,
-    start+length). A span that starts among them must end among them: its later tokens' keys must
-    be in the step (a chunk that ends inside a span is refused, never computed causally)."""
-    end = start + length
-    out = tuple((int(lo), int(hi)) for lo, hi in spans if lo < end and hi > start and hi - lo > 1)
-    for lo, hi in out:
-        if hi > end:
-            raise ValueError(f"a step ends at position {end}, inside the bidirectional span [{lo}, {hi}): "
-                             "its tokens must be computed together (the scheduler never splits one)")
-    return out
-
-
-def key_ends(start: int, length: int, spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """[length] int64: the (exclusive) end of the keys each new token at positions [start,
-    start+length) sees — its position + 1, or the end of the bidirectional span holding it (its
-    later tokens too: image tokens see each other both ways). With a sliding window of W its keys
-    also start at position - W + 1 (transformers' sliding mask: AND(window, OR(causal, span)))."""
-    ends = np.arange(start + 1, start + length + 1, dtype=np.int64)
-    for lo, hi in spans:
-        a, b = max(lo, start), min(hi, start + length)
-        if a < b:
-            ends[a - start:b - start] = np.maximum(ends[a - start:b - start], hi)
-    return ends
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -218,6 +206,11 @@ class AttentionBackend(ABC):
     CUDA graph."""
     """The `FEATURES` this backend implements ("mrope_positions" always: positions are applied
     before attention)."""
+
+    def prepare(self, meta: PagedMetadata, heads: int, kv_heads: int) -> None:
+        """The host-side work of a step that can be done before it runs (a step prepared while the
+        one before it runs: `ModelRunner.prepare`): nothing for a backend whose launch reads only
+        the metadata's tensors."""
 
     def tile_tokens(self, heads: int, kv_heads: int) -> int | None:
         """Query tokens per program of this backend's chunk attention, for a static step's tile map
@@ -255,59 +248,3 @@ class AttentionBackend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
-
-
-class SdpaBackend(AttentionBackend):
-    """The reference: per sequence one `scaled_dot_product_attention` call over its keys — read in
-    place when its blocks are consecutive ids, gathered otherwise — with the causal diagonal offset
-    by its cached length. GQA through SDPA's `enable_gqa` (KV never repeated per head)."""
-
-    name = "sdpa"
-    supports = frozenset({"gqa", "mrope_positions", "sliding_window", "bidirectional_spans"})
-
-    def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
-                out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        heads, head_dim = query.shape[1], query.shape[2]
-        bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
-        kbuf = key_cache.view(-1, kv_heads, head_dim)
-        vbuf = value_cache.view(-1, kv_heads, head_dim)
-        out = torch.empty_like(query) if out is None else out
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        offset = 0
-        spans = meta.spans or ((),) * meta.num_seqs
-        for table, start, length, own in zip(meta.tables, meta.starts, meta.lengths, spans):
-            end = start + length
-            lo = max(0, start - window + 1) if window else 0  # keys before lo: outside every query's window
-            if table == tuple(range(table[0], table[0] + len(table))):
-                slots = slice(table[0] * bs + lo, table[0] * bs + end)  # consecutive blocks: a view
-            else:
-                pos = torch.arange(lo, end)
-                slots = (torch.tensor(table)[pos // bs] * bs + pos % bs).to(kbuf.device)
-            k = kbuf[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, kv_heads, end - lo, d]
-            v = vbuf[slots].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            q = query[offset:offset + length].transpose(0, 1).unsqueeze(0)  # [1, heads, length, d]
-            mask = step_mask(start, length, lo, own, window, q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and length > 1,
-                                               scale=scale, enable_gqa=heads != kv_heads)
-            out[offset:offset + length] = o[0].transpose(0, 1)
-            offset += length
-        return out
-
-
-def step_mask(start: int, length: int, lo: int, spans: Sequence[tuple[int, int]], window: int | None,
-              device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """The bool mask [length, end - lo] of new tokens [start, end) over keys [lo, end): key k is
-    seen by the token at p when k < `key_ends` (p + 1, or its bidirectional span's end) and, with a
-    sliding window, p - k < window. None when SDPA's own masks say the same: a lone token seeing
-    every key from lo, or a causal chunk from position 0 (is_causal)."""
-    end = start + length
-    if length == 1 and not spans:
-        return None  # keys [lo, start] are exactly its window
-    if not spans and start == 0 and lo == 0 and not (window and window < length):
-        return None
-    q = torch.arange(start, end).unsqueeze(1)
-    k = torch.arange(lo, end).unsqueeze(0)
-    mask = k < torch.from_numpy(key_ends(start, length, spans)).unsqueeze(1)
-    if window:
-        mask &= q - k < window
-    return mask.to(device)

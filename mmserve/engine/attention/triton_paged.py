@@ -1,7 +1,7 @@
 """Paged attention in Triton: K/V read straight from the arena through the block tables.
 
 Two kernels, both over the arena's per-layer tensors `[num_blocks, block_size, kv_heads, head_dim]`
-(token-major, as `models.paged.KVArena` holds them) and a padded `[num_seqs, max_blocks]` int32
+(token-major, as `engine.arena.KVArena` holds them) and a padded `[num_seqs, max_blocks]` int32
 block-table tensor; neither gathers KV into a copy nor pads anything:
 
 - **decode** (split-KV, "flash-decoding"): one query token per sequence. A program handles one

@@ -1,12 +1,15 @@
-"""`select`: the attention backend `[runtime] attention_backend` names, on a device."""
+"""`select`: the attention backend `[runtime] attention_backend` names, on a device; `check_attention`:
+whether a checkpoint needs an attention feature the serving path lacks (before its weights load)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
-from .backend import NAMES, AttentionBackend, AttentionBackendUnavailable, SdpaBackend
+from .backend import NAMES, AttentionBackend, AttentionBackendUnavailable, ModelFeatures, UnsupportedAttentionFeature
+from .sdpa import SdpaBackend
 
 
 def select(name: str, device: torch.device | str, deterministic: bool = False) -> AttentionBackend:
@@ -57,3 +60,18 @@ def select(name: str, device: torch.device | str, deterministic: bool = False) -
         f"the 'triton' attention backend runs on CUDA; on {device.type!r} it runs only under Triton's interpreter "
         f"(TRITON_INTERPRET=1 before triton is imported), which is for tests{hint}. Use attention_backend = "
         "\"sdpa\" or \"auto\" here")
+
+
+def check_attention(name: str, path: str | Path) -> None:
+    """Refuses (UnsupportedAttentionFeature) a checkpoint whose language model needs an attention
+    feature the serving path does not implement — soft-capping today; sliding windows and
+    bidirectional image spans are implemented — before its weights load: served anyway, it would
+    give wrong answers, not an error. Checked against the sdpa backend, which implements every
+    feature another backend does (the runner checks the configured backend again); the registry
+    calls it before `models.loading.load_adapter`, `mmserve serve` for every configured model."""
+    from transformers import AutoConfig
+
+    try:
+        SdpaBackend().check(ModelFeatures.from_config(AutoConfig.from_pretrained(path)))
+    except UnsupportedAttentionFeature as e:
+        raise UnsupportedAttentionFeature(f"model {name!r} ({path}): {e}") from None

@@ -37,7 +37,11 @@ import math
 import numpy as np
 import torch
 
-from .backend import AttentionBackend, PagedMetadata
+from mmserve.models.batch_invariant import pointwise
+
+from .backend import PagedMetadata
+from .masks import first_key, key_ends, key_starts
+from .sdpa import SdpaBackend
 
 KEY_BLOCK = 16
 """Keys per block of the P·V reduction (absolute positions [16 j, 16 j + 16)): the default KV
@@ -48,15 +52,13 @@ ROW_PAD = 4
 a remainder (and a lone row: a GEMV) with other kernels."""
 
 
-class DeterministicSdpaBackend(AttentionBackend):
+class DeterministicSdpaBackend(SdpaBackend):
     """`invariant_attention` over the paged arena (see the module docstring). Sequences with the
-    same padded row count are computed in one batched call (a step's decode tokens: one call)."""
+    same padded row count are computed in one batched call (a step's decode tokens: one call). The
+    sdpa backend's but for the arithmetic: the same masks (`masks`), and a step's layout (its
+    `_Call`s, per window) built once and kept with its metadata (`SdpaBackend.layout`)."""
 
     name = "sdpa_deterministic"
-    supports = frozenset({"gqa", "mrope_positions", "sliding_window", "bidirectional_spans"})
-
-    def __init__(self):
-        self._plans: tuple[PagedMetadata | None, dict] = (None, {})  # the step's layouts, per (window, group)
 
     def forward(self, query, key_cache, value_cache, meta: PagedMetadata, scale: float | None = None,
                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
@@ -70,7 +72,7 @@ class DeterministicSdpaBackend(AttentionBackend):
         out_heads = out.view(-1, kv_heads, group, head_dim)
         kbuf = key_cache.view(-1, head_dim)  # row slot * kv_heads + h: one KV head's key of one slot
         vbuf = value_cache.view(-1, head_dim)
-        for call in self._plan(meta, window, group, kv_heads, query.device):
+        for call in self.layout(meta, window, group, kv_heads):
             s_, rows, width = call.seqs, call.rows, call.width
             # keys and values gathered in one copy straight into [kv_heads * S, width, d] (batch index
             # h * S + j); keys past a sequence's end repeat its last slot (finite: never seen, p = 0)
@@ -82,22 +84,13 @@ class DeterministicSdpaBackend(AttentionBackend):
             out_heads[call.real_token, :, call.real_head] = o
         return out
 
-    def _plan(self, meta: PagedMetadata, window: int | None, group: int, kv_heads: int, device) -> list["_Call"]:
-        """The step's calls for a layer of `window`, built once per step (every layer reads them)."""
-        step, plans = self._plans
-        if step is not meta:
-            plans = {}
-            self._plans = (meta, plans)
-        key = (window, group)
-        if key not in plans:
-            offsets = np.concatenate([[0], np.cumsum(meta.lengths)])
-            q_ends = None if meta.q_ends is None else meta.q_ends.cpu().numpy()
-            calls: dict[int, list[int]] = {}
-            for i, n in enumerate(meta.lengths):
-                calls.setdefault(_pad(n * group, ROW_PAD), []).append(i)
-            plans[key] = [_Call(meta, seqs, rows, group, window, offsets, q_ends, kv_heads, device)
-                          for rows, seqs in calls.items()]
-        return plans[key]
+    def _build(self, meta: PagedMetadata, window: int | None, group: int, kv_heads: int, device) -> list["_Call"]:
+        """The step's calls for a layer of `window`: sequences grouped by their padded row count."""
+        offsets = np.concatenate([[0], np.cumsum(meta.lengths)])
+        calls: dict[int, list[int]] = {}
+        for i, n in enumerate(meta.lengths):
+            calls.setdefault(_pad(n * group, ROW_PAD), []).append(i)
+        return [_Call(meta, seqs, rows, group, window, offsets, kv_heads, device) for rows, seqs in calls.items()]
 
 
 class _Call:
@@ -107,10 +100,11 @@ class _Call:
     rows."""
 
     def __init__(self, meta: PagedMetadata, seqs: list[int], rows: int, group: int, window: int | None,
-                 offsets: np.ndarray, q_ends: np.ndarray | None, kv_heads: int, device):
+                 offsets: np.ndarray, kv_heads: int, device):
         s_ = len(seqs)
-        first = np.array([_first_key(meta.starts[i], window) // KEY_BLOCK * KEY_BLOCK for i in seqs])
-        ends = [_key_ends(meta, i, offsets, q_ends) for i in seqs]
+        spans = meta.spans or ((),) * meta.num_seqs
+        first = np.array([first_key(meta.starts[i], window) // KEY_BLOCK * KEY_BLOCK for i in seqs])
+        ends = [key_ends(meta.starts[i], meta.lengths[i], spans[i]) for i in seqs]
         width = max(_pad(int(e.max()) - f, KEY_BLOCK) for e, f in zip(ends, first))
         keys = first[:, None] + np.arange(width)[None, :]  # [S, width] absolute positions
         slots = np.zeros((s_, width), dtype=np.int64)
@@ -128,7 +122,7 @@ class _Call:
             token[j, :n * group] = offsets[i] + r // group
             head[j, :n * group] = r % group
             real[j, :n * group] = True
-            lo[j, :n * group] = start + r // group - window + 1 if window else 0
+            lo[j, :n * group] = np.repeat(key_starts(start, n, window), group)
             hi[j, :n * group] = np.repeat(ends[j], group)
         mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
@@ -167,36 +161,3 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 def _pad(n: int, to: int) -> int:
     return max(to, -(-n // to) * to)
-
-
-def _first_key(start: int, window: int | None) -> int:
-    """The first key any token of a chunk starting at `start` sees."""
-    return max(0, start - window + 1) if window else 0
-
-
-def _key_ends(meta: PagedMetadata, i: int, offsets: np.ndarray, q_ends: np.ndarray | None) -> np.ndarray:
-    """Each new token's keys end (exclusive): its position + 1, or its bidirectional span's end."""
-    start, n = meta.starts[i], meta.lengths[i]
-    if q_ends is None:
-        return np.arange(start + 1, start + n + 1)
-    return q_ends[offsets[i]:offsets[i] + n].astype(np.int64)
-
-
-def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """`fn` (an elementwise op) of `x`, with every element on the op's vectorized path. ATen's CPU
-    loops compute the last `numel % 32` elements of a thread's chunk with the scalar function,
-    whose last bit can differ from the vector one (measured: silu, tanh-gelu, quick-gelu, cos of a
-    row of 344 elements differ between a call of 1 row and of 16): so a row's result would follow
-    the number of rows. Padded with zeros to a multiple of 32 x lcm(1..threads) elements, every
-    thread's chunk is whole vectors."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    unit = _pointwise_unit(torch.get_num_threads())
-    padded = -(-n // unit) * unit
-    if padded != n or not flat.is_contiguous():
-        flat = torch.cat([flat, flat.new_zeros(padded - n)])
-    return fn(flat)[:n].view(x.shape)
-
-
-def _pointwise_unit(threads: int) -> int:
-    return 32 * math.lcm(*range(1, max(1, threads) + 1))
