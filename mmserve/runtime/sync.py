@@ -109,6 +109,10 @@ class SyncRuntime:
     def stats(self) -> dict:
         return self._call(self._rt.stats)
 
+    def in_flight(self) -> list:
+        """The requests admitted and not yet ended (their handles)."""
+        return self._call(self._rt.in_flight)
+
     def debug_cache(self, oldest: int = 10) -> dict:
         return self._call(self._rt.debug_cache, oldest)
 
