@@ -15,19 +15,26 @@ zeros or not). What this does instead, for every sequence of the step (`invarian
   depend on neither the row count, the row's position, the key count nor the batch
   (`tests/test_deterministic.py` pins it);
 - **softmax**: masked keys (outside the causal/window/span interval) are -inf, the row max is
-  exact whatever the order, p = exp(s - max) is elementwise on the vector path (`pointwise`; a
-  masked key's p is exactly 0);
+  exact whatever the order, p = exp2(s x scale x log2 e - max) is elementwise on the vector path
+  (`pointwise`; a masked key's p is exactly 0; exp2, not exp: on this CPU exp takes 2.5x longer,
+  6x on -inf);
 - **P·V** in fixed blocks of `KEY_BLOCK` keys aligned to absolute positions (a multiple of 16
   from position 0: the KV arena's blocks), one `bmm` of inner size 16 per block, and each block's
-  sum of p over its 16 keys; the blocks then summed in position order, one add after the other.
-  A block the query does not see contributes exact zeros, so it does not
-  matter how many of them a call holds; keys past a sequence's end read its last key again
-  (finite: p = 0 times a never-written slot of the `torch.empty` arena could be NaN).
+  sum of p over its 16 keys; the blocks then summed in a fixed order: without a sliding window
+  (every call's keys start at position 0) by a tree anchored at position 0, log2(blocks) adds a
+  layer; with one, in position order, one add after the other (`invariant_attention`). A block
+  the query does not see contributes exact zeros, so it does not matter how many of them a call
+  holds.
+- **reads**: a lone sequence whose keys lie in consecutive slots (its blocks consecutive ids)
+  has them read in place, a strided view (bmm gives the bits of a copy; what lies past its end is
+  masked); otherwise keys, and always values, are gathered, values past a sequence's end reading
+  its last key again (finite: p = 0 times a never-written slot of the `torch.empty` arena could
+  be NaN).
 
 Sequences whose rows pad to the same count share one batched call (a step's decode tokens: one
 call); the host-side layout of a step's calls is built once and read by every layer. The cost —
-rows padded to 4, one gather of every sequence's keys and values a layer (the default reads them
-in place), many small P·V products — is in `docs/performance.md`.
+rows padded to 4, a gather of values (and of keys but a lone sequence's) a layer where the
+default reads them in place, many small P·V products — is in `docs/performance.md`.
 """
 
 from __future__ import annotations
