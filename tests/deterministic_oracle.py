@@ -69,8 +69,9 @@ def logprobs(choice) -> list:
 
 
 class Oracle:
-    def __init__(self, family: Family, deterministic: bool = True):
+    def __init__(self, family: Family, deterministic: bool = True, backend: str = "auto"):
         self.family = family
+        self.backend = backend  # [runtime] attention_backend
         self.images = oracle_images(list(family.sizes), seed=700)
         self.deterministic = deterministic
         self.longest = 0  # the most tokens (prompt and answer) a reference request took
@@ -82,7 +83,8 @@ class Oracle:
         there alone (`want`); then caches on in an arena of `Family.spare` blocks beyond the
         longest request's, with 24-token steps (chunked prefills) and a 3-entry encoder cache."""
         model = ModelConfig(self.family.model, self.family.path, default=True)
-        base = on_device(Config(models=(model,))).replace(runtime={"deterministic": self.deterministic})
+        base = on_device(Config(models=(model,))).replace(runtime={"deterministic": self.deterministic,
+                                                                    "attention_backend": self.backend})
         with SyncRuntime(base.replace(kv_cache={"prefix_caching": False}, encoder_cache={"enabled": False})) as off:
             want = [self.alone(off, r) for r in requests]
             block_bytes = self.loaded(off).generator.runner.kv.block_bytes

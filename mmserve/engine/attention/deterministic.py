@@ -15,19 +15,26 @@ zeros or not). What this does instead, for every sequence of the step (`invarian
   depend on neither the row count, the row's position, the key count nor the batch
   (`tests/test_deterministic.py` pins it);
 - **softmax**: masked keys (outside the causal/window/span interval) are -inf, the row max is
-  exact whatever the order, p = exp(s - max) is elementwise on the vector path (`pointwise`; a
-  masked key's p is exactly 0);
+  exact whatever the order, p = exp2(s x scale x log2 e - max) is elementwise on the vector path
+  (`pointwise`; a masked key's p is exactly 0; exp2, not exp: on this CPU exp takes 2.5x longer,
+  6x on -inf);
 - **P·V** in fixed blocks of `KEY_BLOCK` keys aligned to absolute positions (a multiple of 16
   from position 0: the KV arena's blocks), one `bmm` of inner size 16 per block, and each block's
-  sum of p over its 16 keys; the blocks then summed in position order, one add after the other.
-  A block the query does not see contributes exact zeros, so it does not
-  matter how many of them a call holds; keys past a sequence's end read its last key again
-  (finite: p = 0 times a never-written slot of the `torch.empty` arena could be NaN).
+  sum of p over its 16 keys; the blocks then summed in a fixed order: without a sliding window
+  (every call's keys start at position 0) by a tree anchored at position 0, log2(blocks) adds a
+  layer; with one, in position order, one add after the other (`invariant_attention`). A block
+  the query does not see contributes exact zeros, so it does not matter how many of them a call
+  holds.
+- **reads**: a lone sequence whose keys lie in consecutive slots (its blocks consecutive ids)
+  has them read in place, a strided view (bmm gives the bits of a copy; what lies past its end is
+  masked); otherwise keys, and always values, are gathered, values past a sequence's end reading
+  its last key again (finite: p = 0 times a never-written slot of the `torch.empty` arena could
+  be NaN).
 
 Sequences whose rows pad to the same count share one batched call (a step's decode tokens: one
 call); the host-side layout of a step's calls is built once and read by every layer. The cost —
-rows padded to 4, one gather of every sequence's keys and values a layer (the default reads them
-in place), many small P·V products — is in `docs/performance.md`.
+rows padded to 4, a gather of values (and of keys but a lone sequence's) a layer where the
+default reads them in place, many small P·V products — is in `docs/performance.md`.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from mmserve.models.batch_invariant import pointwise
 from .backend import PagedMetadata
 from .masks import first_key, key_ends, key_starts
 from .sdpa import SdpaBackend
+
+LOG2E = 1.4426950408889634
 
 KEY_BLOCK = 16
 """Keys per block of the P·V reduction (absolute positions [16 j, 16 j + 16)): the default KV
@@ -74,12 +83,16 @@ class DeterministicSdpaBackend(SdpaBackend):
         vbuf = value_cache.view(-1, head_dim)
         for call in self.layout(meta, window, group, kv_heads):
             s_, rows, width = call.seqs, call.rows, call.width
-            # keys and values gathered in one copy straight into [kv_heads * S, width, d] (batch index
-            # h * S + j); keys past a sequence's end repeat its last slot (finite: never seen, p = 0)
-            k = kbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
+            if call.base is not None:  # one sequence, its keys in consecutive slots: read in place,
+                # a strided view [kv_heads, width, d] (bmm gives the same bits as from a copy)
+                k = key_cache.view(-1, kv_heads, head_dim)[call.base:call.base + width].transpose(0, 1)
+            else:  # gathered in one copy straight into [kv_heads * S, width, d] (batch index h * S + j)
+                k = kbuf.index_select(0, call.rows_read).view(kv_heads * s_, width, head_dim)
+            # values gathered so: keys past a sequence's end repeat its last slot (finite: never
+            # seen, p = 0; a view would read past the end, where 0 x NaN is NaN)
             v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
             q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
-            o = invariant_attention(q, k, v, call.mask, scale)  # [kv_heads * S, rows, d]
+            o = invariant_attention(q, k.to(query.dtype), v, call.mask, scale, anchored=not window)
             o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
             out_heads[call.real_token, :, call.real_head] = o
         return out
@@ -127,6 +140,7 @@ class _Call:
         mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
         self.seqs, self.rows, self.width = s_, rows, width
+        self.base = _consecutive(meta, seqs[0], int(first[0]), width) if s_ == 1 else None
         # the arena's [slots * kv_heads, d] rows to read, heads first: [kv_heads, S, width]
         self.rows_read = as_tensor(slots[None] * kv_heads + np.arange(kv_heads)[:, None, None])
         self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
@@ -135,28 +149,59 @@ class _Call:
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, anchored: bool = True) -> torch.Tensor:
     """q [B, R, d] (R a multiple of `ROW_PAD`), k/v [B, N, d] (N a multiple of `KEY_BLOCK`, key j at
-    an absolute position ≡ j mod KEY_BLOCK, finite), mask [B, R, N] (True: the row sees the key)
-    -> [B, R, d]; a row that sees no key gives NaN (padding). Every reduction has a fixed shape
-    (the module docstring)."""
+    an absolute position ≡ j mod KEY_BLOCK; v finite, k anything where masked), mask [B, R, N]
+    (True: the row sees the key) -> [B, R, d]; a row that sees no key gives NaN (padding). `anchored`: key
+    0 of every batch entry is at absolute position 0 (no sliding window): the blocks are then
+    summed by a tree, else one after the other. Every reduction has a fixed shape (the module
+    docstring)."""
     b, r, d = q.shape
     n = k.shape[1]
     blocks = n // KEY_BLOCK
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+    # scores in base 2 (exp2 is the fast one on the CPU, -inf included): s x scale x log2(e), a
+    # correctly rounded elementwise op on any path; masked: -inf (whatever k held there)
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale * LOG2E).masked_fill_(~mask, float("-inf"))
     top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # a row seeing nothing: p = 0
-    p = pointwise(torch.exp, scores.sub_(top))  # [B, R, N]; exactly 0 where masked
+    p = pointwise(torch.exp2, scores.sub_(top))  # [B, R, N]; exactly 0 where masked
     p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
     parts = torch.bmm(p, v.reshape(b * blocks, KEY_BLOCK, d)).view(b, blocks, r, d)
     sums = p.sum(-1).view(b, blocks, r, 1)  # each block's sum of p: 16 numbers, one fixed pattern
     acc = torch.cat([parts, sums], -1)  # [B, blocks, R, d + 1]
-    # the blocks summed in position order, one after the other: a block the row does not see adds
-    # exact zeros (a loop of adds, not `cumsum`: that one accumulates every prefix, in float64)
-    total = acc[:, 0].clone()
-    for j in range(1, blocks):
-        total += acc[:, j]
-    total, norm = total[..., :d], total[..., d]
-    return total / norm.unsqueeze(-1)
+    # A block the row does not see adds exact zeros, so the sum is the row's own blocks', in one
+    # fixed order, however many blocks the call holds. Anchored: a tree over the blocks from
+    # position 0, as if padded with zero blocks to a power of two, halves added (block i + h to
+    # block i for h = half that power, then half again): the blocks past the row's own power of
+    # two are zero, so the levels above it change nothing, and a zero block is simply not added.
+    # Otherwise one block after the other (a loop of adds, not `cumsum`: that one accumulates every
+    # prefix, in float64).
+    if anchored:
+        m, h = blocks, (1 << (blocks - 1).bit_length()) // 2
+        while h:
+            if m > h:
+                acc[:, :m - h] += acc[:, h:m]
+                m = h
+            h //= 2
+        total = acc[:, 0]
+    else:
+        total = acc[:, 0].clone()
+        for j in range(1, blocks):
+            total += acc[:, j]
+    return total[..., :d] / total[..., d:]
+
+
+def _consecutive(meta: PagedMetadata, i: int, first: int, width: int) -> int | None:
+    """The arena slot of key `first` of sequence i when its keys [first, first + width) are
+    consecutive slots of its own blocks (its table consecutive ids there; those past its end in its
+    last block), else None."""
+    bs = meta.block_size
+    if bs % KEY_BLOCK:
+        return None
+    table = meta.tables[i]
+    lo, hi = first // bs, -(-(first + width) // bs)
+    if hi > len(table) or any(table[j + 1] != table[j] + 1 for j in range(lo, hi - 1)):
+        return None
+    return table[lo] * bs + first % bs
 
 
 def _pad(n: int, to: int) -> int:

@@ -20,17 +20,18 @@ def select(name: str, device: torch.device | str, deterministic: bool = False) -
     configuration that names a backend gets that backend or a reason, and a test that means to
     exercise the kernels can never pass by running the reference instead.
 
-    `deterministic` (`[runtime] deterministic`): the sdpa path's batch-invariant variant
-    (`deterministic.DeterministicSdpaBackend`) for "sdpa" and "auto"; "triton" has no such
-    variant yet and is refused."""
+    `deterministic` (`[runtime] deterministic`): the batch-invariant variants — the sdpa path's
+    (`deterministic.DeterministicSdpaBackend`) for "sdpa" and "auto"; for "triton" the kernels'
+    (`triton_deterministic.DeterministicTritonBackend`), on the CPU under the interpreter only
+    (deterministic mode is refused on CUDA: `models.batch_invariant.check_available`)."""
     device = torch.device(device)
-    if deterministic:
-        if name not in ("auto", "sdpa"):
-            raise AttentionBackendUnavailable(
-                f"[runtime] deterministic = true runs the sdpa path's deterministic variant; the {name!r} backend "
-                "has none yet: use attention_backend = \"sdpa\" or \"auto\"")
+    if deterministic and name in ("auto", "sdpa"):
         from .deterministic import DeterministicSdpaBackend
         return DeterministicSdpaBackend()
+    if deterministic and name == "triton" and device.type == "cuda":
+        raise AttentionBackendUnavailable(
+            "[runtime] deterministic = true runs on the CPU only (the linear layers are not batch-invariant on "
+            "CUDA); the 'triton' backend's deterministic variant runs there under Triton's interpreter")
     if name == "sdpa":
         return SdpaBackend()
     if name == "auto":
@@ -53,6 +54,9 @@ def select(name: str, device: torch.device | str, deterministic: bool = False) -
     if device.type == "cuda":
         return triton_paged.TritonBackend()
     if device.type == "cpu" and triton_paged.interpreter_ready():
+        if deterministic:
+            from .triton_deterministic import DeterministicTritonBackend
+            return DeterministicTritonBackend()
         return triton_paged.TritonBackend()
     hint = (" (TRITON_INTERPRET=1 is set now, but was not when triton was first imported: set it before that)"
             if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "")
