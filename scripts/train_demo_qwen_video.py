@@ -2,9 +2,10 @@
 
 ``.venv/bin/python scripts/train_demo_qwen_video.py --base DIR [--out DIR]``: ``--base`` is the
 checkpoint of stages 1-2 (``mmserve train-demo demo-qwen --out ROOT`` writes ``ROOT/demo-qwen``);
-``--out`` defaults to the committed ``mmserve/models/demo/checkpoints/demo-qwen``. ~10 minutes on 2
-cores. A script, not a module of ``mmserve.models.demo``: it reads clips as the server's intake does
-(``mmserve.inputs.video``, a layer above the demo models).
+``--out`` defaults to the committed ``mmserve/models/demo/checkpoints/demo-qwen``. 3 minutes on 2
+quiet cores (18 on this VM shared with four other jobs). A script, not a module of
+``mmserve.models.demo``: it reads clips as the server's intake does (``mmserve.inputs.video``, a
+layer above the demo models).
 
 - "What color is the shape in the video?" (one shape of one colour through the clip) and "Does the
   shape move?" (``yes`` / ``no``: three tokens each in the demo BPE, `` y`` `e` `s` / `` `` `n` `o``,
@@ -22,8 +23,11 @@ cores. A script, not a module of ``mmserve.models.demo``: it reads clips as the 
 - The text model and LM head train on the video questions mixed with stage 2's image conversations
   (the cached block features of a fresh bank of training images, every task), so the image answers
   stay as good.
-- A ``video_stage.json`` beside the weights records the stage's settings; a base that has one is
-  refused (the stage starts from image-trained weights, so a re-run is byte-identical).
+- A ``video_stage.json`` beside the weights records the stage's settings and held-out figures; a
+  base that has one is refused (the stage starts from image-trained weights). Seeded throughout,
+  but not byte-identical from one process to the next: FFmpeg's libx264 does not encode the same
+  frames to the same bytes in two processes (tests/image_server.py works around the same), so the
+  decoded training clips differ by compression noise; re-runs land near the committed figures.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class VideoStageConfig:
     delta_steps: int = 150  # phase 1: the patch embedding's temporal difference
     steps: int = 450  # phase 2: the text model
     video_batch: int = 16
-    image_batch: int = 12
+    image_batch: int = 24
     lr: float = 1e-3  # text model and LM head
     delta_lr: float = 5e-3  # the patch embedding's temporal difference (and its throw-away head)
     warmup: int = 30
