@@ -1,4 +1,4 @@
-"""Teach the image-trained ``demo-qwen`` two video questions (CPU, deterministic): its third stage.
+"""Teach the image-trained ``demo-qwen`` two video questions (CPU, seeded): its third stage.
 
 ``.venv/bin/python scripts/train_demo_qwen_video.py --base DIR [--out DIR]``: ``--base`` is the
 checkpoint of stages 1-2 (``mmserve train-demo demo-qwen --out ROOT`` writes ``ROOT/demo-qwen``);
