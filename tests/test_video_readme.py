@@ -1,6 +1,6 @@
 """The README's video example over HTTP: the trained `demo-qwen` names the colour of the shape in
-a clip the project's renderer draws and PyAV encodes (the embedded example runs with the README's
-other embedded examples, tests/test_readme.py)."""
+a clip the project's renderer draws and PyAV encodes, and says whether it moves (the embedded
+example runs with the README's other embedded examples, tests/test_readme.py)."""
 
 from __future__ import annotations
 
@@ -26,4 +26,4 @@ def test_readme_video_example_answers_over_http(qwen_server):
     (code,) = BLOCK.findall(README.read_text())
     assert "video_url" in code and "http://127.0.0.1:8000" in code
     out = _run_against(qwen_server, code, {})
-    assert _expected(code) == ["blue"] and out.split() == ["blue"], out
+    assert _expected(code) == ["blue", "yes"] and out.split() == ["blue", "yes"], out

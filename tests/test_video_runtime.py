@@ -77,3 +77,35 @@ def test_video_limits_frame_lists_and_remote_videos(tiny_qwen25_dir):
 
     with ImageServer() as server:
         trio.run(main, server)
+
+
+# clips the demo never trained on (scripts/train_demo_qwen_video.py draws seeds from 7_000_000 on)
+HELD_OUT_CLIPS = (  # (colour, shape, background, moves, seed, size, frames, fps, mm_processor_kwargs)
+    ("purple", "triangle", "gray", True, 9_500_001, (96, 64), 16, 8, {}),
+    ("orange", "circle", "black", False, 9_500_002, (64, 80), 12, 6, {}),
+    ("green", "square", "white", True, 9_500_003, (80, 80), 20, 10, {"fps": 4}),
+    ("red", "square", "gray", False, 9_500_004, (64, 64), 16, 8, {"fps": 4}),
+)
+
+
+def test_demo_qwen_answers_a_held_out_clips_colour_and_motion():
+    """The trained demo-qwen, through the whole Runtime (the server's decoding, sampling and video
+    preprocessing), names the colour of the shape in clips it never saw and whether it moves."""
+    from tests.conftest import _demo_dir
+
+    config = on_device(Config(models=(ModelConfig("demo-qwen", _demo_dir("demo-qwen"), default=True),)))
+
+    async def main():
+        async with Runtime.open(config) as rt:
+            for color, shape, background, moves, seed, size, frames, fps, kwargs in HELD_OUT_CLIPS:
+                clip = video_data_url(encode_mp4(render_clip(color, shape, moves, seed=seed, frames=frames, size=size,
+                                                             background=background), fps=fps))
+                for question, want in (("What color is the shape in the video?", color),
+                                       ("Does the shape move?", "yes" if moves else "no")):
+                    done = await rt.chat_completion(
+                        [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": clip}},
+                                                      {"type": "text", "text": question}]}],
+                        temperature=0, max_tokens=6, **({"mm_processor_kwargs": kwargs} if kwargs else {}))
+                    assert done.text.strip() == want, (color, shape, moves, seed, question, done.text)
+
+    trio.run(main)
