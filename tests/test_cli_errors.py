@@ -70,6 +70,7 @@ def test_a_checkpoint_whose_model_type_is_not_served(whisper_dir):
     names_every_served_family(line)
 
 
+@pytest.mark.slow  # a process start (~4 s); in process: test_a_model_loaded_on_demand_fails_its_request_with_a_503
 def test_a_model_in_the_config_is_checked_even_when_it_loads_on_demand(tmp_path, whisper_dir):
     config = tmp_path / "config.toml"
     config.write_text(f'[[models]]\nname = "demo"\npath = "builtin:demo"\ndefault = true\n\n'

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mmserve"
 EXTRA_FOR = {"bench": "bench"}
 """Subpackage of mmserve -> the extra its imports may also be satisfied by."""
-EXTRA_FOR_FILE = {"mmserve/engine/attention/triton_paged.py": "dev"}
+EXTRA_FOR_FILE = {"mmserve/engine/attention/triton_paged.py": "dev",
+                  "mmserve/engine/attention/triton_deterministic.py": "dev"}
 """Module -> the extra its imports may also be satisfied by: the Triton kernels' `triton` comes with
 torch's CUDA wheels (where they run compiled) and, for the interpreter tests on the CPU, with the dev
 extra; `attention.select` imports the module only when the triton backend is chosen."""
