@@ -4,7 +4,7 @@ Run by scripts/check-fresh-install.sh in a virtual environment that has the proj
 extras, so an import that only an extra (or the dev tools) provides shows up here, not on a
 user's machine. Modules under `mmserve.bench` may fail only for want of the `bench` extra's own
 modules: `mmserve bench` checks for the extra and says so in one line before importing them. The
-Triton kernels' module may fail only for want of triton: torch's CUDA wheels bring it, and
+Triton kernels' modules may fail only for want of triton: torch's CUDA wheels bring it, and
 `mmserve.engine.attention.selection` imports the module only when that backend is chosen, saying what
 is missing if it is not installed.
 """
@@ -20,12 +20,12 @@ import mmserve
 from mmserve.bench.extra import REQUIRED as BENCH_EXTRA
 
 BENCH = "mmserve.bench"
-TRITON_KERNELS = "mmserve.engine.attention.triton_paged"
+TRITON_KERNELS = ("mmserve.engine.attention.triton_paged", "mmserve.engine.attention.triton_deterministic")
 
 
 def needs_only_the_bench_extra(name: str, err: BaseException) -> bool:
     missing = err.name.split(".")[0] if isinstance(err, ModuleNotFoundError) and err.name else None
-    if name == TRITON_KERNELS:
+    if name in TRITON_KERNELS:
         return missing == "triton"
     return (name == BENCH or name.startswith(BENCH + ".")) and missing in BENCH_EXTRA
 

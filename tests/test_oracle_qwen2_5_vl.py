@@ -47,7 +47,7 @@ def test_cache_on_equals_cache_off(runtimes, workload):
     ORACLE.interleaved(runtimes, workload)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(ORACLE.conversations(), min_size=2, max_size=6))
 def test_cache_on_equals_cache_off_concurrently(runtimes, workload):
     ORACLE.concurrently(runtimes, workload)
