@@ -39,7 +39,7 @@ def runtimes(demo_config, tmp_path_factory):
         yield rts
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(ORACLE.conversations(), min_size=2, max_size=4))
 def test_cache_on_equals_cache_off(runtimes, workload):
     ORACLE.interleaved(runtimes, workload)

@@ -61,7 +61,7 @@ def test_the_arena_holds_80_blocks_of_each_model(runtimes):
 
 # 12 examples, not 25 (the suite's 10-minute budget): the concurrent test beside it and the strict
 # oracle of deterministic mode (tests/test_deterministic_oracle.py) cover this family too
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(ORACLE.conversations(), min_size=2, max_size=5))
 def test_cache_on_equals_cache_off(runtimes, workload):
     ORACLE.interleaved(runtimes, workload)
