@@ -37,3 +37,32 @@ async def test_stop_drops_a_queued_step_and_reports_the_running_one():
     # a later caller (an embedding program) gets a fresh compute thread
     assert await compute.run(lambda: 42) == 42
     assert compute.stop() is True
+
+
+async def test_a_replaced_threads_step_ending_late_leaves_the_new_threads_record_alone():
+    """A hung step is abandoned and its thread replaced; when it finally ends, the step running on
+    the new thread is still what the watchdog sees (its owner and start): before, the old step
+    cleared the record, so a hang on the new thread was never seen as the compute thread's and the
+    thread was never replaced again."""
+    release_old, old_started, release_new, new_started = (threading.Event() for _ in range(4))
+
+    def hold(started, release):
+        started.set()
+        release.wait(10)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: compute.run(hold, old_started, release_old, abandon_on_cancel=True, owner="old"))
+        await trio.to_thread.run_sync(old_started.wait, 10)
+        compute.replace("test: the old step hangs")
+        nursery.start_soon(lambda: compute.run(hold, new_started, release_new, abandon_on_cancel=True, owner="new"))
+        await trio.to_thread.run_sync(new_started.wait, 10)
+        assert compute.busy_owner() == "new"
+        release_old.set()  # the abandoned step ends while the new one runs
+        await trio.sleep(0.1)
+        assert compute.busy_owner() == "new" and compute.quiet_for() > 0
+        release_new.set()
+    for _ in range(100):
+        if compute.busy_owner() is None:
+            break
+        await trio.sleep(0.01)
+    assert compute.busy_owner() is None

@@ -37,6 +37,7 @@ _executor: ThreadPoolExecutor | None = None
 _threads = 0  # torch intra-op threads for the compute thread; 0 = torch's default
 _busy_since: float | None = None  # when the step now running started (None: idle)
 _busy_owner: str | None = None  # who submitted it (an actor's supervisor key)
+_busy_step: object | None = None  # which step the two above are of (set and cleared by that step alone)
 _last_beat: float = 0.0  # when the step now running last reported progress from inside (`heartbeat`)
 _unfinished: set[Future] = set()  # submitted steps not done yet: queued, taken by the thread, or running
 
@@ -77,12 +78,18 @@ def _init() -> None:
 
 
 def _timed(owner, fn, *args):
-    global _busy_since, _busy_owner
-    _busy_since, _busy_owner = time.monotonic(), owner
+    global _busy_since, _busy_owner, _busy_step
+    step = object()
+    _busy_since, _busy_owner, _busy_step = time.monotonic(), owner, step
     try:
         return fn(*args)
     finally:
-        _busy_since = _busy_owner = None
+        # only the step the record is of clears it: a hung step of a replaced thread that ends late
+        # must not mark the new thread idle while its step runs (the watchdog would then never see
+        # that one hang, nor replace the thread again: every later step waited behind it)
+        with _lock:
+            if _busy_step is step:
+                _busy_since = _busy_owner = _busy_step = None
 
 
 def heartbeat() -> None:
