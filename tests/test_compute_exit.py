@@ -50,19 +50,22 @@ async def test_a_replaced_threads_step_ending_late_leaves_the_new_threads_record
         started.set()
         release.wait(10)
 
+    old_done, new_done = trio.Event(), trio.Event()
+
+    async def step(owner, started, release, done):
+        await compute.run(hold, started, release, owner=owner)  # returns once the step (and its record's update) ended
+        done.set()
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: compute.run(hold, old_started, release_old, abandon_on_cancel=True, owner="old"))
+        nursery.start_soon(step, "old", old_started, release_old, old_done)
         await trio.to_thread.run_sync(old_started.wait, 10)
         compute.replace("test: the old step hangs")
-        nursery.start_soon(lambda: compute.run(hold, new_started, release_new, abandon_on_cancel=True, owner="new"))
+        nursery.start_soon(step, "new", new_started, release_new, new_done)
         await trio.to_thread.run_sync(new_started.wait, 10)
         assert compute.busy_owner() == "new"
-        release_old.set()  # the abandoned step ends while the new one runs
-        await trio.sleep(0.1)
+        release_old.set()  # the abandoned thread's step ends while the new one runs
+        await old_done.wait()
         assert compute.busy_owner() == "new" and compute.quiet_for() > 0
         release_new.set()
-    for _ in range(100):
-        if compute.busy_owner() is None:
-            break
-        await trio.sleep(0.01)
+        await new_done.wait()
     assert compute.busy_owner() is None
