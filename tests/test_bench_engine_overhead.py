@@ -5,6 +5,7 @@ prefill time per token count), and the report's absolute figures, on the tiny pr
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,9 @@ from mmserve.bench.device_limits import PrefillTimer, copy_bandwidth, decode_wei
 from mmserve.bench.model import default_model_dir, ensure_model
 from mmserve.bench.report import markdown
 from mmserve.bench.scenarios.engine import engine_rows, overlap_configurable, window_figures
-from mmserve.bench.stand_in import Call, StandInForward, window_calls
+from mmserve.bench.stand_in import Call, DeviceClockEvent, StandInForward, window_calls
+from mmserve.engine.step_sampling import RowSpec, plan_sampling, sample_on_device
+from mmserve.generation.sampling import SamplingParams
 from mmserve.models.loading import load_adapter
 
 SERIAL, OVERLAP = "stand-in busy, serial", "stand-in busy with overlap"
@@ -53,8 +56,13 @@ def test_engine_overhead_runs_the_real_runtime_around_the_stand_in(tiny_dir, tmp
     assert serial["stand_in_ms_per_step"] == pytest.approx(params.engine_stand_in_ms, rel=0.25)
     assert serial["stand_in_busy_s"] == pytest.approx(serial["steps"] * serial["stand_in_ms_per_step"] / 1000)
     assert serial["idle_ms_per_step"] > 0 and serial["event_loop_ms_per_step"] > 0
-    # the serial loop awaits the whole step: the stand-in plus the compute thread's own work
-    assert serial["forward_ms_per_step"] > serial["stand_in_ms_per_step"]
+    assert serial["stand_in"] == "asynchronous" and serial["loop_busy_ms_per_step"] > 0
+    # with a blocking stand-in the serial loop awaits the whole step: the stand-in plus the compute
+    # thread's own work; with an asynchronous one, the compute thread returns before the device ends
+    blocking = sc["variants"]["serial, blocking stand-in"]
+    assert blocking["status"] == "ok" and blocking["stand_in"] == "blocking"
+    assert blocking["forward_ms_per_step"] > blocking["stand_in_ms_per_step"]
+    assert serial["forward_ms_per_step"] < blocking["forward_ms_per_step"]
 
     rows = {r["metric"]: r for r in data["summary"] if r["scenario"] == "9 engine overhead"}
     assert rows[SERIAL]["value"] == serial["busy"] and rows[SERIAL]["target"] is None
@@ -65,6 +73,7 @@ def test_engine_overhead_runs_the_real_runtime_around_the_stand_in(tiny_dir, tmp
         assert sc["variants"]["overlap"]["status"] == "not built"
         assert rows[OVERLAP]["value"] == "not built" and rows[OVERLAP]["ok"] is None
     assert any(m.startswith("host time per step, serial") for m in rows)
+    assert rows[SERIAL + ", blocking stand-in"]["target"] is None  # the target is on the device-like one
 
     md = (tmp_path / "report.md").read_text()
     assert f"| 9 engine overhead | {OVERLAP} |" in md and f"| 9 engine overhead | {SERIAL} |" in md
@@ -91,6 +100,31 @@ def test_stand_in_replaces_the_forward_and_gives_it_back(tiny):
     assert call.end - call.start == pytest.approx(0.02)
 
 
+def test_asynchronous_stand_in_queues_its_work_and_holds_the_samples_until_it_ends(tiny):
+    with StandInForward(tiny, 0.05, asynchronous=True) as stand_in:
+        t0 = time.perf_counter()
+        tiny.prefill(tiny.embed([1, 2, 3]))
+        tiny.prefill(tiny.embed([4, 5]))
+        returned = time.perf_counter()
+        logits = torch.zeros(1, stand_in.vocab)
+        sample = sample_on_device(logits, plan_sampling([RowSpec(0, SamplingParams(temperature=0), None)]))
+    first, second = stand_in.calls
+    assert returned - t0 < 0.05  # the launches returned at once, as a GPU's do
+    assert second.start == pytest.approx(first.end) and second.end - second.start == pytest.approx(0.05)
+    # the samples reach the host once the work queued before them ended, not before
+    assert isinstance(sample.ready, DeviceClockEvent) and sample.ready.end == second.end
+    assert not sample.done()
+    sample.unpack()  # waits for the device's clock
+    assert time.perf_counter() >= second.end and sample.done()
+    # a blocking stand-in's forward takes its time on the calling thread
+    with StandInForward(tiny, 0.02) as blocking:
+        t0 = time.perf_counter()
+        tiny.prefill(tiny.embed([1, 2, 3]))
+        assert time.perf_counter() - t0 >= 0.02
+        assert sample_on_device(logits, plan_sampling([RowSpec(0, SamplingParams(temperature=0), None)])).ready is None
+    assert blocking.calls[0].woke is not None
+
+
 def test_window_figures_from_the_stand_ins_timestamps():
     # three calls of 4 ms, 6 ms apart (2 ms of host between them); counters (steps, host_s, forward_s)
     calls = [Call(0.000, 0.004, 32, 32, (10, 1.0, 2.0)), Call(0.006, 0.010, 32, 32, (11, 1.002, 2.005)),
@@ -111,6 +145,11 @@ def test_window_figures_from_the_stand_ins_timestamps():
     assert out["busy"] == pytest.approx(0.8) and out["late_wake_ms_per_step"] == pytest.approx(1.0)
     assert out["compute_host_ms_per_step"] == pytest.approx(0.0, abs=1e-9)
     assert window_figures(calls, 0.0, 0.005, final=())["status"] == "no window"
+    # an asynchronous stand-in returned at once: the time awaiting the compute thread is its own work;
+    # a fourth counter, the event loop's busy time, gives its time a step
+    counted = [replace(c, counters=c.counters + (0.5 + 0.003 * i,)) for i, c in enumerate(calls)]
+    out = window_figures(counted, 0.0, 0.017, final=(14, 1.008, 2.020, 0.512), asynchronous=True)
+    assert out["compute_host_ms_per_step"] == pytest.approx(5.0) and out["loop_busy_ms_per_step"] == pytest.approx(3.0)
 
 
 def test_engine_rows_never_fake_the_overlap():

@@ -73,8 +73,10 @@ def absolute_figures(scenarios: dict) -> list[dict]:
     add(f"GPU busy while {n} decode", _get(emb, "gpu_busy", "busy"), "", "2 concurrency (CUDA kernels)")
 
     engine = scenarios.get("engine_overhead") or {}
-    for name in ("serial", "overlap"):
+    for name in ("serial", "overlap", "serial, blocking stand-in", "overlap, blocking stand-in"):
         v = _get(engine, "variants", name) or {}
+        if not v and "blocking" in name:
+            continue
         add(f"stand-in busy, {name} ({engine.get('stand_in_ms')} ms forward)", v.get("busy"), "", "9 engine overhead")
 
     for r in ab.get("prefill") or []:

@@ -57,7 +57,8 @@ class BenchParams:
     # 9. engine overhead: streams decoding through the real runtime, the model's forward a stand-in
     # of fixed duration (4 ms: an H200's 7B decode step at 32)
     engine_streams: int = 32
-    engine_tokens: int = 64  # per stream; the window is the steps while all of them decode
+    engine_tokens: int = 128  # per stream; the window is the steps while all of them decode (~110: one
+    # late step of a shared machine moves a short window's figure by 0.1)
     engine_prompt_tokens: int = 300  # text prompts (no image to encode) about as long as an image request's
     engine_stand_in_ms: float = 4.0
     # 10. absolute figures: the device's copy bandwidth, prefill time per token count
@@ -83,7 +84,7 @@ bfloat16 (0.5 MiB a token), less than one request with an image; 8 GiB holds 16 
 FULL = BenchParams("full")
 QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=3, levels=(1, 4, 8, 16), sweep_tokens=64,
                 turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2,
-                peer_levels=(1, 8), host_share_steps=16, engine_tokens=48, copy_mib=64, prefill_tokens=(16, 64, 256),
+                peer_levels=(1, 8), host_share_steps=16, engine_tokens=128, copy_mib=64, prefill_tokens=(16, 64, 256),
                 prefill_repeats=3, retention_requests=200)
 GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat16", torch_threads=4,
               scenarios=("decode", "concurrency", "multiturn", "same_image", "three_images", "absolute",

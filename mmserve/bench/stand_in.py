@@ -22,10 +22,24 @@ The busy interval of a call ends at its nominal end (start + duration) even when
 thread gets the GIL back later: a GPU's kernel ends on time whatever the host does; a late host
 shows as the next call's late start. Nothing here knows about the runtime's threads: a runtime
 that launches step n+1 while step n runs (overlap scheduling) shows as calls back to back.
+
+Two models of the device (`asynchronous`):
+- **blocking** (the default): the head sleeps out the duration on the calling thread, so the
+  compute thread's own work around a forward (the gather of carried tokens and the embedding
+  lookup before it, the sampling ops after it) falls between two busy intervals;
+- **asynchronous**, as a GPU's stream: the head returns at once, the call's busy interval is
+  queued behind the previous one's (start = the later of its launch and the last call's end), and
+  the step's samples become readable on the host at that end, not before — the one thing a GPU
+  makes the host wait for (the event after the samples' device→host copy): `DeviceSample.ready`
+  is a `DeviceClockEvent` while the stand-in is installed. The compute thread then runs on while
+  the "device" works, as it does with CUDA's asynchronous launches, and the host work it does
+  around a forward is hidden as a GPU hides it — unless the next step's launch comes after the
+  queued work's end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +47,8 @@ from typing import Callable, Sequence
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from mmserve.engine import step_sampling
 
 SAMPLE_TEXT = ("The quick brown fox jumps over the lazy dog while a small red square sits in the middle of "
                "a blue picture and everyone looks at it for a while")
@@ -87,12 +103,15 @@ class StandInForward:
     """See the module docstring. `counters`: read at every call's start (e.g. the generator's step
     counters), so a window of calls can be matched with what the runtime counted meanwhile."""
 
-    def __init__(self, adapter, duration_s: float, counters: Callable[[], tuple] = tuple):
+    def __init__(self, adapter, duration_s: float, counters: Callable[[], tuple] = tuple,
+                 asynchronous: bool = False):
         if duration_s < 0:
             raise ValueError(f"the stand-in's duration must be >= 0 s, got {duration_s}")
         self.adapter = adapter
         self.duration_s = float(duration_s)
         self.counters = counters
+        self.asynchronous = asynchronous
+        self._queued_until = 0.0  # asynchronous: when the work queued on the "device" so far ends
         self.calls: list[Call] = []
         self._lock = threading.Lock()  # calls may come from more than one thread (an overlapped runtime)
         self._pending: dict[int, tuple[float, int, tuple]] = {}  # per thread: (start, tokens, counters)
@@ -109,6 +128,13 @@ class StandInForward:
         model = self.adapter.model
         self._swap(*_parent_of(model, self.adapter.language_model), self.body)
         self._swap(model, "lm_head", self.head)
+        if self.asynchronous:  # a step's samples are readable once the device's work before them ended
+            to_host = step_sampling._to_host
+
+            def timed_to_host(*args, **kwargs):
+                sample = to_host(*args, **kwargs)
+                return dataclasses.replace(sample, ready=DeviceClockEvent(self._queued_until, sample.ready))
+            self._swap(step_sampling, "_to_host", timed_to_host)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -134,6 +160,12 @@ class StandInForward:
         with self._lock:
             n = len(self.calls)
         logits[..., self.token_cycle[n % len(self.token_cycle)]] = 1.0
+        if self.asynchronous:  # queued behind the work before it, the host goes on at once
+            with self._lock:
+                start = max(start, self._queued_until)
+                self._queued_until = start + self.duration_s
+                self.calls.append(Call(start, self._queued_until, tokens, rows, counters))
+            return logits
         deadline = start + self.duration_s
         made = time.perf_counter()
         if made < deadline:
@@ -142,6 +174,25 @@ class StandInForward:
         with self._lock:
             self.calls.append(Call(start, max(deadline, made), tokens, rows, counters, woke))
         return logits
+
+
+class DeviceClockEvent:
+    """The asynchronous stand-in's stand-in for a CUDA event: complete once the stand-in's clock
+    passed `end` (and the real event, if any, completed): `query` without waiting, `synchronize`
+    sleeping until then."""
+
+    def __init__(self, end: float, real=None):
+        self.end, self.real = end, real
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.end and (self.real is None or self.real.query())
+
+    def synchronize(self) -> None:
+        left = self.end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        if self.real is not None:
+            self.real.synchronize()
 
 
 def winning_tokens(adapter, vocab: int) -> list[int]:

@@ -20,14 +20,25 @@ The overlap variant (`[runtime] overlap = true`, step n+1 prepared while step n 
 `RuntimeConfig` has an `overlap` key: then both variants run in the same scenario, each a runtime
 of its own. Until then its row says "not built", with no value and no verdict. On CUDA the runtime
 runs with `cuda_graphs = false`: a captured graph would replay the real model, not the stand-in.
+
+Each variant runs with the stand-in as an asynchronous device (the issue's rows: a GPU's stream,
+whose launches return at once and whose samples reach the host at the end of the work queued
+before them) and as a blocking one (rows marked "blocking stand-in": the compute thread sleeps out
+every forward, so its own work between two forwards counts as idle time a GPU would not have);
+`mmserve.bench.stand_in` says what each models. Beside each, the event loop's busy time per step
+(outside its I/O wait, from a trio instrument: the generator's work and everything else the loop
+runs, the in-process clients' streams included) — what must fit inside a forward for overlap to
+keep the device busy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from time import perf_counter
 
 import torch
+import trio
 from transformers import AutoConfig, AutoTokenizer
 
 from mmserve.bench.common import MODEL, QUESTIONS, row, timed_chat, user
@@ -42,6 +53,9 @@ SCENARIO = "9 engine overhead"
 OVERLAP_KEY = "overlap"  # [runtime] overlap: the overlap scheduler's switch (issue 38), once it exists
 BUSY_TARGET = 0.92  # the issue's target for the stand-in's busy fraction with overlap
 PROMPT_MARGIN = 64  # the chat template's tokens around a prompt
+BLOCKING = ", blocking stand-in"
+VARIANTS = (("overlap", True, True), ("serial", False, True),  # (name, overlap, asynchronous stand-in)
+            ("overlap" + BLOCKING, True, False), ("serial" + BLOCKING, False, False))
 
 
 def overlap_configurable() -> bool:
@@ -56,9 +70,9 @@ async def engine_overhead(b: Bench) -> dict:
     budget = kv_budget(b, p.engine_streams * (p.engine_prompt_tokens + p.engine_tokens + PROMPT_MARGIN))
     variants: dict[str, dict] = {}
     if overlap_configurable():
-        for name, flag in (("overlap", True), ("serial", False)):
+        for name, flag, asynchronous in VARIANTS:
             b.note(f"{p.engine_streams} streams, stand-in forward, {name}")
-            variants[name] = await _variant(b, requests, budget, {OVERLAP_KEY: flag})
+            variants[name] = await _variant(b, requests, budget, {OVERLAP_KEY: flag}, asynchronous)
     else:
         b.note(f"{p.engine_streams} streams, stand-in forward, serial")
         variants["serial"] = await _variant(b, requests, budget, {})
@@ -90,17 +104,35 @@ def kv_budget(b: Bench, tokens: int) -> int:
     return max(b.params.kv_budget_bytes() or 0, need)
 
 
-async def _variant(b: Bench, requests: list, budget: int, runtime_keys: dict) -> dict:
+class LoopClock(trio.abc.Instrument):
+    """The event loop's busy time: every moment it is not waiting for I/O (or a timer)."""
+
+    def __init__(self):
+        self.busy_s = 0.0
+        self._since = time.perf_counter()
+
+    def before_io_wait(self, timeout: float) -> None:
+        now = time.perf_counter()
+        self.busy_s += now - self._since
+        self._since = now
+
+    def after_io_wait(self, timeout: float) -> None:
+        self._since = time.perf_counter()
+
+
+async def _variant(b: Bench, requests: list, budget: int, runtime_keys: dict, asynchronous: bool) -> dict:
     """One runtime (with `runtime_keys` in its [runtime] section), all `requests` at once with the
-    stand-in installed, and the window's figures."""
+    stand-in installed (`asynchronous`: as a GPU's stream), and the window's figures."""
     p = b.params
     async with b.runtime(prefix=False, encoder=False, runtime={"cuda_graphs": False, **runtime_keys},
                          kv_cache={"budget_bytes": budget}) as rt:
         loaded = rt.registry.require(MODEL)
         gen = loaded.generator
 
+        loop = LoopClock()
+
         def counters() -> tuple:  # read by the stand-in at every call, on the compute thread
-            return gen.steps, gen.host_s, gen.forward_s
+            return gen.steps, gen.host_s, gen.forward_s, loop.busy_s
 
         firsts: set[int] = set()
         marks: dict[str, float] = {}
@@ -122,21 +154,30 @@ async def _variant(b: Bench, requests: list, budget: int, runtime_keys: dict) ->
             return timing
 
         preemptions = gen.preemptions
-        with StandInForward(loaded.adapter, p.engine_stand_in_ms / 1000, counters) as stand_in:
-            level = await run_level(rt, None, requests, p.engine_tokens, None, send=send)
+        trio.lowlevel.add_instrument(loop)
+        try:
+            with StandInForward(loaded.adapter, p.engine_stand_in_ms / 1000, counters, asynchronous) as stand_in:
+                level = await run_level(rt, None, requests, p.engine_tokens, None, send=send)
+        finally:
+            trio.lowlevel.remove_instrument(loop)
         final = counters()
-        out = window_figures(stand_in.calls, marks.get("opened"), min(finishes, default=None), final)
+        out = window_figures(stand_in.calls, marks.get("opened"), min(finishes, default=None), final, asynchronous)
         out.update(agg_tps=level["agg_tps"], wall_s=level["wall_s"], calls=len(stand_in.calls),
                    preemptions=gen.preemptions - preemptions, config={"runtime": runtime_keys},
-                   prompt_tokens=max(prompt_tokens, default=0), kv_budget_bytes=budget)
+                   prompt_tokens=max(prompt_tokens, default=0), kv_budget_bytes=budget,
+                   stand_in="asynchronous" if asynchronous else "blocking")
         if out["preemptions"] and out["status"] == "ok":  # re-prefills in the window: not a decode window
             out.update(status="preempted", reason=f"{out['preemptions']} preemption(s): the KV arena was too small")
     return out
 
 
-def window_figures(calls: list, opened: float | None, closed: float | None, final: tuple) -> dict:
+def window_figures(calls: list, opened: float | None, closed: float | None, final: tuple,
+                   asynchronous: bool = False) -> dict:
     """The stand-in's busy fraction and the host's time per step over the window's calls; `final`:
-    the generator's counters after the run (for the window's last step when no call follows it)."""
+    the generator's counters after the run (for the window's last step when no call follows it):
+    (steps, its event-loop time, its time awaiting the compute thread, the loop's busy time).
+    `asynchronous`: the stand-in returned at once, so the time awaiting the compute thread is the
+    compute thread's own work, not the forward's."""
     if opened is None or closed is None:
         return {"status": "no window", "reason": "the streams never all decoded at once"}
     window = window_calls(calls, opened, closed)
@@ -160,14 +201,19 @@ def window_figures(calls: list, opened: float | None, closed: float | None, fina
         n = last[0] - first[0]
         forward_ms = 1000 * (last[2] - first[2]) / n
         out.update(generator_steps=n, event_loop_ms_per_step=1000 * (last[1] - first[1]) / n,
-                   forward_ms_per_step=forward_ms, compute_host_ms_per_step=forward_ms - stand_in_ms - late_ms)
+                   forward_ms_per_step=forward_ms,
+                   compute_host_ms_per_step=forward_ms if asynchronous else forward_ms - stand_in_ms - late_ms)
+        if len(first) > 3:
+            out["loop_busy_ms_per_step"] = 1000 * (last[3] - first[3]) / n
     return out
 
 
 def engine_rows(variants: dict, streams: int) -> list[dict]:
     """The issue's two rows, named exactly, and the host's time per step beside each measured one."""
     rows = []
-    for name, metric in (("overlap", "stand-in busy with overlap"), ("serial", "stand-in busy, serial")):
+    named = [("overlap", "stand-in busy with overlap"), ("serial", "stand-in busy, serial")]
+    named += [(n + BLOCKING, m + BLOCKING) for n, m in named if n + BLOCKING in variants]
+    for name, metric in named:
         v = variants.get(name) or {}
         target = ("≥ 0.92", at_least(v["busy"], BUSY_TARGET)) if name == "overlap" and "busy" in v else \
             ("≥ 0.92", None) if name == "overlap" else (None, None)
@@ -182,8 +228,15 @@ def engine_rows(variants: dict, streams: int) -> list[dict]:
 
 
 def _host_metric(name: str, v: dict, streams: int) -> str:
-    split = (f": {v['event_loop_ms_per_step']:.2f} ms on the event loop, {v['compute_host_ms_per_step']:.2f} ms on "
-             f"the compute thread around the stand-in, {v.get('late_wake_ms_per_step', 0):.2f} ms waking late from its "
-             "sleep" if "event_loop_ms_per_step" in v else "")
+    split = ""
+    if "event_loop_ms_per_step" in v and v.get("stand_in") == "asynchronous":
+        split = (f": the compute thread's own work {v['compute_host_ms_per_step']:.2f} ms, the generator's on the "
+                 f"event loop {v['event_loop_ms_per_step']:.2f} ms (the device's results awaited included)")
+    elif "event_loop_ms_per_step" in v:
+        split = (f": {v['event_loop_ms_per_step']:.2f} ms on the event loop, {v['compute_host_ms_per_step']:.2f} ms "
+                 f"on the compute thread around the stand-in, {v.get('late_wake_ms_per_step', 0):.2f} ms waking late "
+                 "from its sleep")
+    if "loop_busy_ms_per_step" in v:
+        split += f"; the event loop busy {v['loop_busy_ms_per_step']:.2f} ms a step"
     return (f"host time per step, {name}, stand-in idle while {streams} decode ({v['steps']} steps of "
             f"{v['stand_in_ms_per_step']:.2f} ms{split})")
