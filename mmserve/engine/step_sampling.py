@@ -130,9 +130,13 @@ class DeviceSample:
         """Whether the host values have arrived (without waiting)."""
         return self.ready is None or self.ready.query()
 
-    def unpack(self) -> tuple[list[Sampled | Exception], list[float]]:
+    def wait(self) -> None:
+        """Blocks until the host values have arrived (the calling thread sleeps meanwhile)."""
         if self.ready is not None:
             self.ready.synchronize()
+
+    def unpack(self) -> tuple[list[Sampled | Exception], list[float]]:
+        self.wait()
         host = self.host.tolist()
         if not self.plan.specs:
             return [], host
@@ -170,7 +174,7 @@ def _to_host(ids: torch.Tensor, packed: torch.Tensor, plan: SamplingPlan, extra:
         return DeviceSample(ids, packed, None, plan, extra)
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     host.copy_(packed, non_blocking=True)
-    ready = torch.cuda.Event()
+    ready = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spinning on a core
     ready.record()
     return DeviceSample(ids, host, ready, plan, extra)
 
