@@ -141,8 +141,8 @@ def wait_until_sync(predicate, timeout: float = 5.0, interval: float = 0.005, wh
 
 def runtime_idle(rt) -> bool:
     """No request left anywhere in `rt` (call from its trio thread): intake holds none, and in every
-    loaded model the encoder and generator hold none and the prefix-cache manager is parked on an
-    empty inbox (not inside a handler). A hung worker thread keeps its request held, so this turns
+    loaded model the encoder and generator hold none (nor does a step of its still in flight) and
+    the prefix-cache manager is parked on an empty inbox (not inside a handler). A hung worker thread keeps its request held, so this turns
     true only once every injected hang has run out. (No event marks this moment: poll it.)"""
     def holds(actor) -> bool:
         return bool(actor.in_flight) or actor.inbox.statistics().current_buffer_used > 0
@@ -151,6 +151,8 @@ def runtime_idle(rt) -> bool:
         return False
     for model in rt.registry.loaded.values():
         if holds(model.encoder) or holds(model.generator) or model.generator.running:
+            return False
+        if model.generator.overlap.flying:  # a step launched ahead still carries an ended sequence
             return False
         if model.prefix_cache is not None:
             inbox = model.prefix_cache.inbox.statistics()
