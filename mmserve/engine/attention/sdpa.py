@@ -23,6 +23,7 @@ to the math path, ~5x slower for a 300-token chunk.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -71,13 +72,9 @@ class SdpaBackend(AttentionBackend):
         return lay
 
     def _build(self, meta: PagedMetadata, window: int | None, group: int, kv_heads: int, device) -> SdpaLayout:
+        # On the host in numpy, tensors made once at the end: on the event loop (a step launched
+        # ahead), every torch op lets the GIL go to the compute thread and waits to get it back
         bs = meta.block_size
-        # host tables [S, width] (padding past a sequence's blocks is never read)
-        if meta.block_tables.device.type == "cpu":
-            tables = meta.block_tables.long()
-        else:  # a GPU arena's: from the host copies, not through a device->host sync
-            width = max(len(t) for t in meta.tables)
-            tables = torch.from_numpy(np.array([t + (0,) * (width - len(t)) for t in meta.tables], dtype=np.int64))
         spans = meta.spans or ((),) * meta.num_seqs
         lay = SdpaLayout()
         decode = []
@@ -94,25 +91,33 @@ class SdpaBackend(AttentionBackend):
                 else:
                     decode.append(i)
             else:
-                k = torch.arange(lo, end)
                 mask = step_mask(start, length, lo, spans[i], window, device)
-                slots = slice(run.start + lo, run.stop) if run is not None else (tables[i, k // bs] * bs + k % bs).to(device)
+                if run is not None:
+                    slots = slice(run.start + lo, run.stop)
+                else:
+                    k = np.arange(lo, end)
+                    row = np.asarray(table, dtype=np.int64)
+                    slots = torch.from_numpy(row[k // bs] * bs + k % bs).to(device)
                 lay.prefill.append((offset, length, slots, mask))
                 lay.reads += end - lo
             offset += length
         if decode:
-            rows = torch.tensor(decode, dtype=torch.long)
-            starts = torch.tensor([meta.starts[i] for i in decode], dtype=torch.long)
-            first = (starts - window + 1).clamp(min=0) if window else torch.zeros_like(starts)
+            # every decode sequence's table in one flat array (one conversion, not one per table)
+            sizes = np.fromiter((len(meta.tables[i]) for i in decode), dtype=np.int64, count=len(decode))
+            flat = np.fromiter(itertools.chain.from_iterable(meta.tables[i] for i in decode), dtype=np.int64,
+                               count=int(sizes.sum()))
+            at = np.cumsum(sizes) - sizes  # where each table starts in `flat`
+            starts = np.asarray([meta.starts[i] for i in decode], dtype=np.int64)
+            first = np.maximum(starts - window + 1, 0) if window else np.zeros_like(starts)
             kv_len = starts + 1 - first  # keys of a decode token: [first, start] inclusive
-            k = torch.arange(int(kv_len.max()))
-            real = k.unsqueeze(0) < kv_len.unsqueeze(1)  # [D, n_max]
-            k_pos = first.unsqueeze(1) + torch.where(real, k.unsqueeze(0), (kv_len - 1).unsqueeze(1))
-            slots = tables[rows].gather(1, k_pos // bs) * bs + k_pos % bs
-            lay.decode_slots = (len(decode) == 1 and _as_range(slots[0])) or slots.to(device)
+            k = np.arange(int(kv_len.max()))
+            real = k[None, :] < kv_len[:, None]  # [D, n_max]
+            k_pos = first[:, None] + np.where(real, k[None, :], (kv_len - 1)[:, None])
+            slots = flat[at[:, None] + k_pos // bs] * bs + k_pos % bs
+            lay.decode_slots = (len(decode) == 1 and _as_range(slots[0])) or torch.from_numpy(slots).to(device)
             ends = np.cumsum(meta.lengths)
             lay.decode_rows = torch.from_numpy(ends[decode] - 1).to(device)
-            lay.decode_mask = None if bool(real.all()) else real[:, None, None, :].to(device)
+            lay.decode_mask = None if bool(real.all()) else torch.from_numpy(real[:, None, None, :]).to(device)
             lay.reads += int(kv_len.sum())
         return lay
 
@@ -160,11 +165,11 @@ def _run(table: tuple[int, ...], block_size: int, end: int) -> slice | None:
     return slice(first * block_size, first * block_size + end)
 
 
-def _as_range(slots: torch.Tensor) -> slice | None:
+def _as_range(slots: np.ndarray) -> slice | None:
     """`slots` as a slice of the flat arena when they are consecutive (blocks handed out in order,
     as the arena does lowest id first): the keys are then read through a view, not gathered."""
-    n = slots.numel()
-    if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n == 1 or bool((slots[1:] - slots[:-1] == 1).all())):
+    n = slots.size
+    if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n == 1 or bool((np.diff(slots) == 1).all())):
         return slice(int(slots[0]), int(slots[0]) + n)
     return None
 
