@@ -110,12 +110,28 @@ class ChatStream:
     def __aiter__(self) -> "ChatStream":
         return self
 
+    async def _next_event(self):
+        """The next event, within the deadline. One already waiting is taken without a cancel
+        scope (a token of each stream every step: the scope's cost showed on the event loop),
+        with the checkpoints trio's own `receive` makes."""
+        remaining = self.deadline - time.monotonic()
+        if remaining > 0:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                event = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return event
+        with trio.fail_at(trio.current_time() + max(0.0, remaining)):
+            return await self._receive.receive()
+
     async def __anext__(self) -> Delta:
         if self._done:
             raise StopAsyncIteration
         try:
-            with trio.fail_at(trio.current_time() + max(0.0, self.deadline - time.monotonic())):
-                event = await self._receive.receive()
+            event = await self._next_event()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             self._done = True
             raise StopAsyncIteration from None
