@@ -83,16 +83,16 @@ class DeterministicSdpaBackend(SdpaBackend):
         vbuf = value_cache.view(-1, head_dim)
         for call in self.layout(meta, window, group, kv_heads):
             s_, rows, width = call.seqs, call.rows, call.width
-            if call.base is not None:  # one sequence, its keys in consecutive slots: read in place,
-                # a strided view [kv_heads, width, d] (bmm gives the same bits as from a copy)
-                k = key_cache.view(-1, kv_heads, head_dim)[call.base:call.base + width].transpose(0, 1)
+            q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
+            if call.bases is not None:  # every sequence's keys in consecutive slots: read in place
+                scores = _scores_in_place(q, key_cache, call)
             else:  # gathered in one copy straight into [kv_heads * S, width, d] (batch index h * S + j)
                 k = kbuf.index_select(0, call.rows_read).view(kv_heads * s_, width, head_dim)
+                scores = torch.bmm(q, k.to(query.dtype).transpose(1, 2))
             # values gathered so: keys past a sequence's end repeat its last slot (finite: never
             # seen, p = 0; a view would read past the end, where 0 x NaN is NaN)
             v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
-            q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
-            o = invariant_attention(q, k.to(query.dtype), v, call.mask, scale, anchored=not window)
+            o = attend_scores(scores, v, call.mask, scale, anchored=not window)
             o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
             out_heads[call.real_token, :, call.real_head] = o
         return out
@@ -140,7 +140,18 @@ class _Call:
         mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
         self.seqs, self.rows, self.width = s_, rows, width
-        self.base = _consecutive(meta, seqs[0], int(first[0]), width) if s_ == 1 else None
+        # keys read in place when every sequence's [first, first + its own padded width) lies in
+        # consecutive slots of its blocks: (arena slot of key `first`, that width) per sequence
+        bases = []
+        for j, i in enumerate(seqs):
+            own = _pad(int(ends[j].max()) - int(first[j]), KEY_BLOCK)
+            base = _consecutive(meta, i, int(first[j]), own)
+            if base is None:
+                bases = None
+                break
+            bases.append((base, own))
+        self.bases = tuple(bases) if bases is not None else None
+        self.base = self.bases[0][0] if self.bases is not None and s_ == 1 else None  # a lone sequence's
         # the arena's [slots * kv_heads, d] rows to read, heads first: [kv_heads, S, width]
         self.rows_read = as_tensor(slots[None] * kv_heads + np.arange(kv_heads)[:, None, None])
         self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
@@ -156,12 +167,19 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     0 of every batch entry is at absolute position 0 (no sliding window): the blocks are then
     summed by a tree, else one after the other. Every reduction has a fixed shape (the module
     docstring)."""
-    b, r, d = q.shape
-    n = k.shape[1]
+    return attend_scores(torch.bmm(q, k.transpose(1, 2)), v, mask, scale, anchored)
+
+
+def attend_scores(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  anchored: bool = True) -> torch.Tensor:
+    """`invariant_attention` from its raw scores [B, R, N] (q . k, one `bmm` reducing over head_dim
+    only; anything where masked: overwritten) -> [B, R, d]. Overwrites `scores`."""
+    b, r, n = scores.shape
+    d = v.shape[-1]
     blocks = n // KEY_BLOCK
     # scores in base 2 (exp2 is the fast one on the CPU, -inf included): s x scale x log2(e), a
     # correctly rounded elementwise op on any path; masked: -inf (whatever k held there)
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale * LOG2E).masked_fill_(~mask, float("-inf"))
+    scores = scores.mul_(scale * LOG2E).masked_fill_(~mask, float("-inf"))
     top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # a row seeing nothing: p = 0
     p = pointwise(torch.exp2, scores.sub_(top))  # [B, R, N]; exactly 0 where masked
     p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
@@ -188,6 +206,22 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         for j in range(1, blocks):
             total += acc[:, j]
     return total[..., :d] / total[..., d:]
+
+
+def _scores_in_place(q: torch.Tensor, key_cache: torch.Tensor, call: "_Call") -> torch.Tensor:
+    """q [kv_heads * S, R, d] . keys [kv_heads * S, width, d] (`call.bases`: every sequence's keys in
+    consecutive slots) -> raw scores [kv_heads * S, R, width], each sequence's keys read in place:
+    a `bmm` per sequence over a strided view of the arena (the bits of the gathered batch's: a
+    product's bits follow neither the batch nor the operands' strides, tested); the keys past a
+    sequence's own width are left unwritten (masked)."""
+    kv_heads, d = key_cache.shape[2], key_cache.shape[3]
+    keys = key_cache.view(-1, kv_heads, d)  # [slots, kv_heads, d]
+    s_, rows = call.seqs, call.rows
+    scores = q.new_empty(kv_heads, s_, rows, call.width)
+    qs = q.view(kv_heads, s_, rows, d)
+    for j, (base, width) in enumerate(call.bases):
+        torch.bmm(qs[:, j], keys[base:base + width].permute(1, 2, 0).to(q.dtype), out=scores[:, j, :, :width])
+    return scores.view(kv_heads * s_, rows, call.width)
 
 
 def _consecutive(meta: PagedMetadata, i: int, first: int, width: int) -> int | None:
