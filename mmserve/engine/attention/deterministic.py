@@ -91,7 +91,8 @@ class DeterministicSdpaBackend(SdpaBackend):
                 scores = torch.bmm(q, k.to(query.dtype).transpose(1, 2))
             # values gathered so: keys past a sequence's end repeat its last slot (finite: never
             # seen, p = 0; a view would read past the end, where 0 x NaN is NaN)
-            v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
+            v = torch.index_select(vbuf, 0, call.rows_read, out=call.scratch(vbuf))
+            v = v.to(query.dtype).view(kv_heads * s_, width, head_dim)
             o = attend_scores(scores, v, call.mask, scale, anchored=not window)
             o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
             out_heads[call.real_token, :, call.real_head] = o
@@ -157,6 +158,17 @@ class _Call:
         self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
         self.real_token, self.real_head = self.token[self.real], self.head[self.real]
         self.mask = torch.from_numpy(mask).to(device).repeat(kv_heads, 1, 1)  # batch index h * S + j
+        self._scratch: torch.Tensor | None = None
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """The buffer the values are gathered into, [rows_read, d] like `like`'s rows: one for the
+        step, reused by every layer (layers run one after the other; nothing keeps it past its
+        layer's attention)."""
+        n, d = self.rows_read.numel(), like.shape[-1]
+        buf = self._scratch
+        if buf is None or buf.shape != (n, d) or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._scratch = like.new_empty(n, d)
+        return buf
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -185,14 +197,20 @@ def attend_scores(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sca
     p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
     parts = torch.bmm(p, v.reshape(b * blocks, KEY_BLOCK, d)).view(b, blocks, r, d)
     sums = p.sum(-1).view(b, blocks, r, 1)  # each block's sum of p: 16 numbers, one fixed pattern
-    acc = torch.cat([parts, sums], -1)  # [B, blocks, R, d + 1]
     # A block the row does not see adds exact zeros, so the sum is the row's own blocks', in one
     # fixed order, however many blocks the call holds. Anchored: a tree over the blocks from
     # position 0, as if padded with zero blocks to a power of two, halves added (block i + h to
     # block i for h = half that power, then half again): the blocks past the row's own power of
     # two are zero, so the levels above it change nothing, and a zero block is simply not added.
     # Otherwise one block after the other (a loop of adds, not `cumsum`: that one accumulates every
-    # prefix, in float64).
+    # prefix, in float64). The products and the sums of p take the same adds, each on its own
+    # (elementwise: the bits of adding them side by side in one tensor, without its copy).
+    return _sum_blocks(parts, anchored) / _sum_blocks(sums, anchored)
+
+
+def _sum_blocks(acc: torch.Tensor, anchored: bool) -> torch.Tensor:
+    """[B, blocks, R, c] -> [B, R, c]: the blocks summed in `attend_scores`'s fixed order (overwrites `acc`)."""
+    blocks = acc.shape[1]
     if anchored:
         m, h = blocks, (1 << (blocks - 1).bit_length()) // 2
         while h:
@@ -200,12 +218,11 @@ def attend_scores(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sca
                 acc[:, :m - h] += acc[:, h:m]
                 m = h
             h //= 2
-        total = acc[:, 0]
-    else:
-        total = acc[:, 0].clone()
-        for j in range(1, blocks):
-            total += acc[:, j]
-    return total[..., :d] / total[..., d:]
+        return acc[:, 0]
+    total = acc[:, 0].clone()
+    for j in range(1, blocks):
+        total += acc[:, j]
+    return total
 
 
 def _scores_in_place(q: torch.Tensor, key_cache: torch.Tensor, call: "_Call") -> torch.Tensor:
@@ -217,10 +234,18 @@ def _scores_in_place(q: torch.Tensor, key_cache: torch.Tensor, call: "_Call") ->
     kv_heads, d = key_cache.shape[2], key_cache.shape[3]
     keys = key_cache.view(-1, kv_heads, d)  # [slots, kv_heads, d]
     s_, rows = call.seqs, call.rows
-    scores = q.new_empty(kv_heads, s_, rows, call.width)
     qs = q.view(kv_heads, s_, rows, d)
-    for j, (base, width) in enumerate(call.bases):
-        torch.bmm(qs[:, j], keys[base:base + width].permute(1, 2, 0).to(q.dtype), out=scores[:, j, :, :width])
+    # a fresh result per sequence, then one copy: a bmm into a strided slice of one result runs
+    # GEMM by GEMM on one thread (measured 2x slower at 2 threads)
+    per_seq = [torch.bmm(qs[:, j], keys[base:base + width].permute(1, 2, 0).to(q.dtype))
+               for j, (base, width) in enumerate(call.bases)]
+    if s_ == 1:
+        return per_seq[0]
+    if all(width == call.width for _, width in call.bases):
+        return torch.stack(per_seq, 1).view(kv_heads * s_, rows, call.width)
+    scores = q.new_empty(kv_heads, s_, rows, call.width)
+    for j, part in enumerate(per_seq):
+        scores[:, j, :, :part.shape[-1]] = part
     return scores.view(kv_heads * s_, rows, call.width)
 
 
