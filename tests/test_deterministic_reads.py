@@ -1,0 +1,137 @@
+"""Deterministic attention's reads (issue 40): every sequence of a call whose blocks are
+consecutive ids has its keys read in place (a `bmm` per sequence over a strided view of the arena),
+its values gathered into a buffer the step's layers share; a call with any scattered sequence
+gathers everything. The bits must not follow the reads: a query's output is the same read in place
+or gathered, beside any other sequences, whatever their lengths (a call's sequences then read keys
+over widths of their own), decode token or inside a chunk."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mmserve.engine.arena import Segment
+from mmserve.engine.attention import PagedMetadata
+from mmserve.engine.attention.deterministic import DeterministicSdpaBackend
+
+BS = 16
+KV_HEADS, D = 2, 16
+LENGTHS = (75, 40, 130, 17, 300)
+
+
+class Twins:
+    """Sequences of random K/V, each held twice in one NaN-filled arena: in consecutive blocks and
+    in scattered ones (the same values), NaN past every sequence's end in its last block."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        n_blocks = 2 * sum(-(-n // BS) for n in LENGTHS) + 8
+        self.k = torch.full((n_blocks, BS, KV_HEADS, D), float("nan"))
+        self.v = torch.full((n_blocks, BS, KV_HEADS, D), float("nan"))
+        free = list(range(n_blocks))
+        self.consecutive, self.scattered = [], []
+        for n in LENGTHS:
+            nb = -(-n // BS)
+            self.consecutive.append(tuple(free[:nb]))
+            del free[:nb]
+        rng = random.Random(seed)
+        rng.shuffle(free)
+        for n, run in zip(LENGTHS, self.consecutive):  # no neighbours consecutive ids: reads of 2+ blocks gathered
+            table = [free.pop()]
+            while len(table) < len(run):
+                table.append(next(b for b in reversed(free) if b != table[-1] + 1))
+                free.remove(table[-1])
+            self.scattered.append(tuple(table))
+            for p in range(n):
+                k, v = torch.randn(KV_HEADS, D, generator=g), torch.randn(KV_HEADS, D, generator=g)
+                for t in (run, table):
+                    self.k[t[p // BS], p % BS], self.v[t[p // BS], p % BS] = k, v
+
+
+def attend(backend, twins, steps, queries, window, scattered=()):
+    """steps: (sequence index, start, length); `scattered`: the sequences read from their
+    scattered copy. The call layout is returned with the output."""
+    segments = [Segment((twins.scattered if i in scattered else twins.consecutive)[i], start, n)
+                for i, start, n in steps]
+    meta = PagedMetadata.build(segments, BS)
+    group = queries.shape[1] // KV_HEADS
+    out = backend.forward(queries, twins.k, twins.v, meta, window=window)
+    return out, backend.layout(meta, window, group, KV_HEADS)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sequences_read_in_place_give_the_bits_of_gathered_ones(window, group):
+    """Decode steps of 1 to 5 sequences of different lengths (one call: the same padded rows),
+    and steps of chunks: every sequence's keys read in place when all of them are consecutive, all
+    gathered when one is scattered; every token's output bit-identical to that token computed in
+    its own sequence's whole prefill, with the sequence's keys gathered."""
+    twins = Twins(seed=group)
+    det = DeterministicSdpaBackend()
+    g = torch.Generator().manual_seed(10 + group)
+    heads = KV_HEADS * group
+    q = [torch.randn(n, heads, D, generator=g) for n in LENGTHS]
+    whole = [attend(det, twins, [(i, 0, n)], q[i], window, scattered={i})[0] for i, n in enumerate(LENGTHS)]
+    assert not any(w.isnan().any() for w in whole)
+    rng = random.Random(group)
+    in_place = gathered = 0
+    for trial in range(24):
+        seqs = rng.sample(range(len(LENGTHS)), rng.randint(1, len(LENGTHS)))
+        chunked = trial % 4 == 3
+        steps = []
+        for i in seqs:
+            if chunked:
+                start = rng.randrange(LENGTHS[i])
+                steps.append((i, start, rng.randint(1, LENGTHS[i] - start)))
+            else:  # a decode token anywhere in the sequence (its keys: those before it and its own)
+                steps.append((i, rng.randrange(LENGTHS[i]), 1))
+        scattered = set(rng.sample(seqs, 1)) if trial % 2 else set()
+        queries = torch.cat([q[i][s:s + n] for i, s, n in steps])
+        out, calls = attend(det, twins, steps, queries, window, scattered)
+        at = 0
+        for i, s, n in steps:
+            assert torch.equal(out[at:at + n], whole[i][s:s + n]), (trial, i, s, n, scattered)
+            at += n
+        for call in calls:
+            assert call.bases is not None or scattered  # consecutive blocks: always read in place
+            if call.seqs > 1:
+                in_place += call.bases is not None
+                gathered += call.bases is None
+    assert in_place >= 2 and gathered >= 2  # both reads, several sequences a call, were exercised
+
+
+def test_a_call_s_sequences_read_in_place_over_widths_of_their_own():
+    """Decode tokens of sequences of 17 and 300 tokens share a call 304 keys wide: the short
+    one's keys are read in place over its own 32 (never past its blocks), the rest masked."""
+    twins = Twins(seed=3)
+    det = DeterministicSdpaBackend()
+    steps = [(3, 16, 1), (4, 299, 1)]
+    q = torch.randn(2, KV_HEADS, D, generator=torch.Generator().manual_seed(4))
+    out, calls = attend(det, twins, steps, q, None)
+    (call,) = calls
+    assert call.width == 304 and [w for _, w in call.bases] == [32, 304]
+    assert [b for b, _ in call.bases] == [twins.consecutive[3][0] * BS, twins.consecutive[4][0] * BS]
+    gathered, _ = attend(det, twins, steps, q, None, scattered={3})
+    assert torch.equal(out, gathered) and not out.isnan().any()
+
+
+def test_the_step_s_layers_share_one_value_buffer():
+    """The values of every layer of a step are gathered into one buffer (the layout's), and a
+    layer's output does not alias it: the next layer's gather leaves it as it was."""
+    twins = Twins(seed=5)
+    det = DeterministicSdpaBackend()
+    segments = [Segment(twins.consecutive[i], LENGTHS[i] - 1, 1) for i in (0, 1, 2)]
+    meta = PagedMetadata.build(segments, BS)
+    q = torch.randn(3, KV_HEADS, D, generator=torch.Generator().manual_seed(6))
+    first = det.forward(q, twins.k, twins.v, meta)
+    (call,) = det.layout(meta, None, 1, KV_HEADS)
+    buffer = call.scratch(twins.v.view(-1, D))
+    kept = first.clone()
+    other_v = torch.where(twins.v.isnan(), twins.v, -twins.v)  # another layer's values
+    second = det.forward(q, twins.k, other_v, meta)
+    assert call.scratch(twins.v.view(-1, D)) is buffer  # one buffer, reused
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+    again = det.forward(q, twins.k, twins.v, meta)
+    assert torch.equal(again, first)
