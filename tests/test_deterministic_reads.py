@@ -1,9 +1,8 @@
-"""Deterministic attention's reads (issue 40): every sequence of a call whose blocks are
-consecutive ids has its keys read in place (a `bmm` per sequence over a strided view of the arena),
-its values gathered into a buffer the step's layers share; a call with any scattered sequence
-gathers everything. The bits must not follow the reads: a query's output is the same read in place
-or gathered, beside any other sequences, whatever their lengths (a call's sequences then read keys
-over widths of their own), decode token or inside a chunk."""
+"""Deterministic attention's reads (issue 40): when every sequence of a call has its blocks in
+consecutive ids, their keys are read in place (a `bmm` per sequence over a strided view of the
+arena); a call with any scattered sequence gathers them all. The bits must not follow the reads: a
+query's output is the same read in place or gathered, beside any other sequences, whatever their
+lengths (a call's sequences then read keys over widths of their own), decode token or in a chunk."""
 
 from __future__ import annotations
 
@@ -115,23 +114,3 @@ def test_a_call_s_sequences_read_in_place_over_widths_of_their_own():
     assert [b for b, _ in call.bases] == [twins.consecutive[3][0] * BS, twins.consecutive[4][0] * BS]
     gathered, _ = attend(det, twins, steps, q, None, scattered={3})
     assert torch.equal(out, gathered) and not out.isnan().any()
-
-
-def test_the_step_s_layers_share_one_value_buffer():
-    """The values of every layer of a step are gathered into one buffer (the layout's), and a
-    layer's output does not alias it: the next layer's gather leaves it as it was."""
-    twins = Twins(seed=5)
-    det = DeterministicSdpaBackend()
-    segments = [Segment(twins.consecutive[i], LENGTHS[i] - 1, 1) for i in (0, 1, 2)]
-    meta = PagedMetadata.build(segments, BS)
-    q = torch.randn(3, KV_HEADS, D, generator=torch.Generator().manual_seed(6))
-    first = det.forward(q, twins.k, twins.v, meta)
-    (call,) = det.layout(meta, None, 1, KV_HEADS)
-    buffer = call.scratch(twins.v.view(-1, D))
-    kept = first.clone()
-    other_v = torch.where(twins.v.isnan(), twins.v, -twins.v)  # another layer's values
-    second = det.forward(q, twins.k, other_v, meta)
-    assert call.scratch(twins.v.view(-1, D)) is buffer  # one buffer, reused
-    assert torch.equal(first, kept) and not torch.equal(first, second)
-    again = det.forward(q, twins.k, twins.v, meta)
-    assert torch.equal(again, first)

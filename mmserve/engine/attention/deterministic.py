@@ -91,8 +91,7 @@ class DeterministicSdpaBackend(SdpaBackend):
                 scores = torch.bmm(q, k.to(query.dtype).transpose(1, 2))
             # values gathered so: keys past a sequence's end repeat its last slot (finite: never
             # seen, p = 0; a view would read past the end, where 0 x NaN is NaN)
-            v = torch.index_select(vbuf, 0, call.rows_read, out=call.scratch(vbuf))
-            v = v.to(query.dtype).view(kv_heads * s_, width, head_dim)
+            v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
             o = attend_scores(scores, v, call.mask, scale, anchored=not window)
             o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
             out_heads[call.real_token, :, call.real_head] = o
@@ -158,17 +157,6 @@ class _Call:
         self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
         self.real_token, self.real_head = self.token[self.real], self.head[self.real]
         self.mask = torch.from_numpy(mask).to(device).repeat(kv_heads, 1, 1)  # batch index h * S + j
-        self._scratch: torch.Tensor | None = None
-
-    def scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """The buffer the values are gathered into, [rows_read, d] like `like`'s rows: one for the
-        step, reused by every layer (layers run one after the other; nothing keeps it past its
-        layer's attention)."""
-        n, d = self.rows_read.numel(), like.shape[-1]
-        buf = self._scratch
-        if buf is None or buf.shape != (n, d) or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._scratch = like.new_empty(n, d)
-        return buf
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
