@@ -1,6 +1,6 @@
-"""Deterministic attention's reads (issue 40): when every sequence of a call has its blocks in
-consecutive ids, their keys are read in place (a `bmm` per sequence over a strided view of the
-arena); a call with any scattered sequence gathers them all. The bits must not follow the reads: a
+"""Deterministic attention's reads (issue 40): a sequence whose blocks are consecutive ids has its
+keys read in place (a `bmm` per sequence over a strided view of the arena), the other sequences of
+its call have theirs gathered (one copy, one `bmm`). The bits must not follow the reads: a
 query's output is the same read in place or gathered, beside any other sequences, whatever their
 lengths (a call's sequences then read keys over widths of their own), decode token or in a chunk."""
 
@@ -75,7 +75,7 @@ def test_sequences_read_in_place_give_the_bits_of_gathered_ones(window, group):
     whole = [attend(det, twins, [(i, 0, n)], q[i], window, scattered={i})[0] for i, n in enumerate(LENGTHS)]
     assert not any(w.isnan().any() for w in whole)
     rng = random.Random(group)
-    in_place = gathered = 0
+    in_place = mixed = 0
     for trial in range(24):
         seqs = rng.sample(range(len(LENGTHS)), rng.randint(1, len(LENGTHS)))
         chunked = trial % 4 == 3
@@ -94,11 +94,11 @@ def test_sequences_read_in_place_give_the_bits_of_gathered_ones(window, group):
             assert torch.equal(out[at:at + n], whole[i][s:s + n]), (trial, i, s, n, scattered)
             at += n
         for call in calls:
-            assert call.bases is not None or scattered  # consecutive blocks: always read in place
+            assert len(call.gathered) <= len(scattered)  # consecutive blocks: always read in place
             if call.seqs > 1:
-                in_place += call.bases is not None
-                gathered += call.bases is None
-    assert in_place >= 2 and gathered >= 2  # both reads, several sequences a call, were exercised
+                in_place += call.seqs > len(call.gathered)
+                mixed += 0 < len(call.gathered) < call.seqs
+    assert in_place >= 4 and mixed >= 2  # several sequences a call read in place, and beside gathered ones
 
 
 def test_a_call_s_sequences_read_in_place_over_widths_of_their_own():
@@ -110,7 +110,8 @@ def test_a_call_s_sequences_read_in_place_over_widths_of_their_own():
     q = torch.randn(2, KV_HEADS, D, generator=torch.Generator().manual_seed(4))
     out, calls = attend(det, twins, steps, q, None)
     (call,) = calls
-    assert call.width == 304 and [w for _, w in call.bases] == [32, 304]
-    assert [b for b, _ in call.bases] == [twins.consecutive[3][0] * BS, twins.consecutive[4][0] * BS]
-    gathered, _ = attend(det, twins, steps, q, None, scattered={3})
-    assert torch.equal(out, gathered) and not out.isnan().any()
+    assert call.width == 304 and call.bases == ((twins.consecutive[3][0] * BS, 32), (twins.consecutive[4][0] * BS, 304))
+    for scattered in ({3}, {4}, {3, 4}):  # the other one read in place beside a gathered one, or both gathered
+        gathered, (call,) = attend(det, twins, steps, q, None, scattered)
+        assert call.gathered == tuple(sorted(j for j, (i, _, _) in enumerate(steps) if i in scattered))
+        assert torch.equal(out, gathered) and not out.isnan().any()

@@ -79,16 +79,11 @@ class DeterministicSdpaBackend(SdpaBackend):
         # [kv_heads, tokens, group, d]: a KV head's query rows in one place
         q_heads = query.view(-1, kv_heads, group, head_dim).transpose(0, 1)
         out_heads = out.view(-1, kv_heads, group, head_dim)
-        kbuf = key_cache.view(-1, head_dim)  # row slot * kv_heads + h: one KV head's key of one slot
-        vbuf = value_cache.view(-1, head_dim)
+        vbuf = value_cache.view(-1, head_dim)  # row slot * kv_heads + h: one KV head's value of one slot
         for call in self.layout(meta, window, group, kv_heads):
             s_, rows, width = call.seqs, call.rows, call.width
             q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
-            if call.bases is not None:  # every sequence's keys in consecutive slots: read in place
-                scores = _scores_in_place(q, key_cache, call)
-            else:  # gathered in one copy straight into [kv_heads * S, width, d] (batch index h * S + j)
-                k = kbuf.index_select(0, call.rows_read).view(kv_heads * s_, width, head_dim)
-                scores = torch.bmm(q, k.to(query.dtype).transpose(1, 2))
+            scores = _scores(q, key_cache, call)
             # values gathered so: keys past a sequence's end repeat its last slot (finite: never
             # seen, p = 0; a view would read past the end, where 0 x NaN is NaN)
             v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
@@ -110,7 +105,7 @@ class _Call:
     """One batched call's layout, built on the host once a step: sequences `seqs` (each `rows`
     padded query rows), each read from its first key's block boundary over `width` keys; as
     device tensors: the arena rows to read, each row's token and query head, the mask, the real
-    rows."""
+    rows; which sequences' keys are read in place (`bases`) and which gathered."""
 
     def __init__(self, meta: PagedMetadata, seqs: list[int], rows: int, group: int, window: int | None,
                  offsets: np.ndarray, kv_heads: int, device):
@@ -140,20 +135,24 @@ class _Call:
         mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
         self.seqs, self.rows, self.width = s_, rows, width
-        # keys read in place when every sequence's [first, first + its own padded width) lies in
-        # consecutive slots of its blocks: (arena slot of key `first`, that width) per sequence
+        # the arena's [slots * kv_heads, d] rows to read, heads first: [kv_heads, S, width]
+        self.rows_read = as_tensor(slots[None] * kv_heads + np.arange(kv_heads)[:, None, None])
+        # a sequence's keys are read in place when [first, first + its own padded width) lies in
+        # consecutive slots of its blocks: (the arena slot of key `first`, that width); else None,
+        # and the keys of every such sequence of the call are gathered in one copy
         bases = []
         for j, i in enumerate(seqs):
             own = _pad(int(ends[j].max()) - int(first[j]), KEY_BLOCK)
             base = _consecutive(meta, i, int(first[j]), own)
-            if base is None:
-                bases = None
-                break
-            bases.append((base, own))
-        self.bases = tuple(bases) if bases is not None else None
-        self.base = self.bases[0][0] if self.bases is not None and s_ == 1 else None  # a lone sequence's
-        # the arena's [slots * kv_heads, d] rows to read, heads first: [kv_heads, S, width]
-        self.rows_read = as_tensor(slots[None] * kv_heads + np.arange(kv_heads)[:, None, None])
+            bases.append(None if base is None else (base, own))
+        self.bases = tuple(bases)
+        self.base = bases[0][0] if s_ == 1 and bases[0] is not None else None  # a lone sequence's
+        gathered = [j for j, b in enumerate(bases) if b is None]
+        self.gathered = tuple(gathered)
+        # the gathered sequences' indices in the call and key rows, [kv_heads, G, width] (batch index h * G + m)
+        self.gathered_index = as_tensor(np.array(gathered, dtype=np.int64))
+        self.gather_rows = self.rows_read if len(gathered) == s_ else \
+            as_tensor(slots[gathered][None] * kv_heads + np.arange(kv_heads)[:, None, None])
         self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
         self.real_token, self.real_head = self.token[self.real], self.head[self.real]
         self.mask = torch.from_numpy(mask).to(device).repeat(kv_heads, 1, 1)  # batch index h * S + j
@@ -209,28 +208,41 @@ def attend_scores(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sca
     return total[..., :d] / total[..., d:]
 
 
-def _scores_in_place(q: torch.Tensor, key_cache: torch.Tensor, call: "_Call") -> torch.Tensor:
-    """q [kv_heads * S, R, d] . keys [kv_heads * S, width, d] (`call.bases`: every sequence's keys in
-    consecutive slots) -> raw scores [kv_heads * S, R, width], each sequence's keys read in place:
-    a `bmm` per sequence over a strided view of the arena (the bits of the gathered batch's: a
-    product's bits follow neither the batch nor the operands' strides, tested); the keys past a
-    sequence's own width are left unwritten (masked)."""
+def _scores(q: torch.Tensor, key_cache: torch.Tensor, call: "_Call") -> torch.Tensor:
+    """The raw scores q . k [kv_heads * S, R, width] of a call's queries q [kv_heads * S, R, d]
+    (one `bmm` reducing over head_dim only; a product's bits follow neither the batch nor the
+    operands' strides, tested): a sequence whose keys lie in consecutive slots (`call.bases`) has
+    them read in place, a `bmm` over a strided view of the arena [kv_heads, d, its own width]; the
+    others' keys are gathered in one copy and take one `bmm`. Keys past a sequence's own width
+    are left unwritten (masked)."""
     kv_heads, d = key_cache.shape[2], key_cache.shape[3]
+    s_, rows, width = call.seqs, call.rows, call.width
+    per_seq: list[torch.Tensor | None] = [None] * s_
+    if call.gathered:
+        g = len(call.gathered)
+        k = key_cache.view(-1, d).index_select(0, call.gather_rows).view(kv_heads * g, width, d)
+        qg = q if g == s_ else q.view(kv_heads, s_, rows, d)[:, call.gathered_index].reshape(kv_heads * g, rows, d)
+        scores = torch.bmm(qg, k.to(q.dtype).transpose(1, 2))
+        if g == s_:
+            return scores
+        for m, j in enumerate(call.gathered):
+            per_seq[j] = scores.view(kv_heads, g, rows, width)[:, m]
     keys = key_cache.view(-1, kv_heads, d)  # [slots, kv_heads, d]
-    s_, rows = call.seqs, call.rows
     qs = q.view(kv_heads, s_, rows, d)
-    # a fresh result per sequence, then one copy: a bmm into a strided slice of one result runs
-    # GEMM by GEMM on one thread (measured 2x slower at 2 threads)
-    per_seq = [torch.bmm(qs[:, j], keys[base:base + width].permute(1, 2, 0).to(q.dtype))
-               for j, (base, width) in enumerate(call.bases)]
+    for j, read in enumerate(call.bases):
+        if read is not None:
+            base, own = read
+            per_seq[j] = torch.bmm(qs[:, j], keys[base:base + own].permute(1, 2, 0).to(q.dtype))
+    # fresh results stacked in one copy: a bmm into a strided slice of one result runs GEMM by
+    # GEMM on one thread (measured 2x slower at 2 threads)
     if s_ == 1:
         return per_seq[0]
-    if all(width == call.width for _, width in call.bases):
-        return torch.stack(per_seq, 1).view(kv_heads * s_, rows, call.width)
-    scores = q.new_empty(kv_heads, s_, rows, call.width)
+    if all(part.shape[-1] == width for part in per_seq):
+        return torch.stack(per_seq, 1).view(kv_heads * s_, rows, width)
+    scores = q.new_empty(kv_heads, s_, rows, width)
     for j, part in enumerate(per_seq):
         scores[:, j, :, :part.shape[-1]] = part
-    return scores.view(kv_heads * s_, rows, call.width)
+    return scores.view(kv_heads * s_, rows, width)
 
 
 def _consecutive(meta: PagedMetadata, i: int, first: int, width: int) -> int | None:
