@@ -25,16 +25,19 @@ zeros or not). What this does instead, for every sequence of the step (`invarian
   layer; with one, in position order, one add after the other (`invariant_attention`). A block
   the query does not see contributes exact zeros, so it does not matter how many of them a call
   holds.
-- **reads**: a lone sequence whose keys lie in consecutive slots (its blocks consecutive ids)
-  has them read in place, a strided view (bmm gives the bits of a copy; what lies past its end is
-  masked); otherwise keys, and always values, are gathered, values past a sequence's end reading
-  its last key again (finite: p = 0 times a never-written slot of the `torch.empty` arena could
-  be NaN).
+- **reads**: a sequence whose keys lie in consecutive slots (its blocks consecutive ids) has
+  them read in place, one `bmm` per sequence over a strided view of the arena [kv_heads, d, its
+  own width] (bmm gives the bits of a copy, whatever the batch and the strides; what lies past its
+  end is masked); the other sequences of the call have their keys gathered, in one copy and one
+  `bmm` (`_scores`). Values are always gathered (the P·V products' batch runs over KV heads,
+  sequences and blocks, which no single stride of the arena spans), values past a sequence's end
+  reading its last key again (finite: p = 0 times a never-written slot of the `torch.empty` arena
+  could be NaN).
 
 Sequences whose rows pad to the same count share one batched call (a step's decode tokens: one
 call); the host-side layout of a step's calls is built once and read by every layer. The cost —
-rows padded to 4, a gather of values (and of keys but a lone sequence's) a layer where the
-default reads them in place, many small P·V products — is in `docs/performance.md`.
+rows padded to 4, a gather of values (and of the keys of sequences in scattered blocks) a layer
+where the default reads them in place, many small P·V products — is in `docs/performance.md`.
 """
 
 from __future__ import annotations
