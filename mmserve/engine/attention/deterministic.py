@@ -25,16 +25,19 @@ zeros or not). What this does instead, for every sequence of the step (`invarian
   layer; with one, in position order, one add after the other (`invariant_attention`). A block
   the query does not see contributes exact zeros, so it does not matter how many of them a call
   holds.
-- **reads**: a lone sequence whose keys lie in consecutive slots (its blocks consecutive ids)
-  has them read in place, a strided view (bmm gives the bits of a copy; what lies past its end is
-  masked); otherwise keys, and always values, are gathered, values past a sequence's end reading
-  its last key again (finite: p = 0 times a never-written slot of the `torch.empty` arena could
-  be NaN).
+- **reads**: a sequence whose keys lie in consecutive slots (its blocks consecutive ids) has
+  them read in place, one `bmm` per sequence over a strided view of the arena [kv_heads, d, its
+  own width] (bmm gives the bits of a copy, whatever the batch and the strides; what lies past its
+  end is masked); the other sequences of the call have their keys gathered, in one copy and one
+  `bmm` (`_scores`). Values are always gathered (the P·V products' batch runs over KV heads,
+  sequences and blocks, which no single stride of the arena spans), values past a sequence's end
+  reading its last key again (finite: p = 0 times a never-written slot of the `torch.empty` arena
+  could be NaN).
 
 Sequences whose rows pad to the same count share one batched call (a step's decode tokens: one
 call); the host-side layout of a step's calls is built once and read by every layer. The cost —
-rows padded to 4, a gather of values (and of keys but a lone sequence's) a layer where the
-default reads them in place, many small P·V products — is in `docs/performance.md`.
+rows padded to 4, a gather of values (and of the keys of sequences in scattered blocks) a layer
+where the default reads them in place, many small P·V products — is in `docs/performance.md`.
 """
 
 from __future__ import annotations
@@ -79,20 +82,15 @@ class DeterministicSdpaBackend(SdpaBackend):
         # [kv_heads, tokens, group, d]: a KV head's query rows in one place
         q_heads = query.view(-1, kv_heads, group, head_dim).transpose(0, 1)
         out_heads = out.view(-1, kv_heads, group, head_dim)
-        kbuf = key_cache.view(-1, head_dim)  # row slot * kv_heads + h: one KV head's key of one slot
-        vbuf = value_cache.view(-1, head_dim)
+        vbuf = value_cache.view(-1, head_dim)  # row slot * kv_heads + h: one KV head's value of one slot
         for call in self.layout(meta, window, group, kv_heads):
             s_, rows, width = call.seqs, call.rows, call.width
-            if call.base is not None:  # one sequence, its keys in consecutive slots: read in place,
-                # a strided view [kv_heads, width, d] (bmm gives the same bits as from a copy)
-                k = key_cache.view(-1, kv_heads, head_dim)[call.base:call.base + width].transpose(0, 1)
-            else:  # gathered in one copy straight into [kv_heads * S, width, d] (batch index h * S + j)
-                k = kbuf.index_select(0, call.rows_read).view(kv_heads * s_, width, head_dim)
+            q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
+            scores = _scores(q, key_cache, call)
             # values gathered so: keys past a sequence's end repeat its last slot (finite: never
             # seen, p = 0; a view would read past the end, where 0 x NaN is NaN)
             v = vbuf.index_select(0, call.rows_read).to(query.dtype).view(kv_heads * s_, width, head_dim)
-            q = q_heads[:, call.token, call.head].reshape(kv_heads * s_, rows, head_dim)  # padding rows: unseen
-            o = invariant_attention(q, k.to(query.dtype), v, call.mask, scale, anchored=not window)
+            o = attend_scores(scores, v, call.mask, scale, anchored=not window)
             o = o.view(kv_heads, s_ * rows, head_dim)[:, call.real].transpose(0, 1)  # [real rows, kv_heads, d]
             out_heads[call.real_token, :, call.real_head] = o
         return out
@@ -110,7 +108,7 @@ class _Call:
     """One batched call's layout, built on the host once a step: sequences `seqs` (each `rows`
     padded query rows), each read from its first key's block boundary over `width` keys; as
     device tensors: the arena rows to read, each row's token and query head, the mask, the real
-    rows."""
+    rows; which sequences' keys are read in place (`bases`) and which gathered."""
 
     def __init__(self, meta: PagedMetadata, seqs: list[int], rows: int, group: int, window: int | None,
                  offsets: np.ndarray, kv_heads: int, device):
@@ -140,9 +138,24 @@ class _Call:
         mask = (keys[:, None, :] >= lo[:, :, None]) & (keys[:, None, :] < hi[:, :, None])  # [S, rows, width]
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(-1)).to(device)  # noqa: E731
         self.seqs, self.rows, self.width = s_, rows, width
-        self.base = _consecutive(meta, seqs[0], int(first[0]), width) if s_ == 1 else None
         # the arena's [slots * kv_heads, d] rows to read, heads first: [kv_heads, S, width]
         self.rows_read = as_tensor(slots[None] * kv_heads + np.arange(kv_heads)[:, None, None])
+        # a sequence's keys are read in place when [first, first + its own padded width) lies in
+        # consecutive slots of its blocks: (the arena slot of key `first`, that width); else None,
+        # and the keys of every such sequence of the call are gathered in one copy
+        bases = []
+        for j, i in enumerate(seqs):
+            own = _pad(int(ends[j].max()) - int(first[j]), KEY_BLOCK)
+            base = _consecutive(meta, i, int(first[j]), own)
+            bases.append(None if base is None else (base, own))
+        self.bases = tuple(bases)
+        self.base = bases[0][0] if s_ == 1 and bases[0] is not None else None  # a lone sequence's
+        gathered = [j for j, b in enumerate(bases) if b is None]
+        self.gathered = tuple(gathered)
+        # the gathered sequences' indices in the call and key rows, [kv_heads, G, width] (batch index h * G + m)
+        self.gathered_index = as_tensor(np.array(gathered, dtype=np.int64))
+        self.gather_rows = self.rows_read if len(gathered) == s_ else \
+            as_tensor(slots[gathered][None] * kv_heads + np.arange(kv_heads)[:, None, None])
         self.token, self.head, self.real = as_tensor(token), as_tensor(head), as_tensor(real)
         self.real_token, self.real_head = self.token[self.real], self.head[self.real]
         self.mask = torch.from_numpy(mask).to(device).repeat(kv_heads, 1, 1)  # batch index h * S + j
@@ -156,12 +169,19 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     0 of every batch entry is at absolute position 0 (no sliding window): the blocks are then
     summed by a tree, else one after the other. Every reduction has a fixed shape (the module
     docstring)."""
-    b, r, d = q.shape
-    n = k.shape[1]
+    return attend_scores(torch.bmm(q, k.transpose(1, 2)), v, mask, scale, anchored)
+
+
+def attend_scores(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  anchored: bool = True) -> torch.Tensor:
+    """`invariant_attention` from its raw scores [B, R, N] (q . k, one `bmm` reducing over head_dim
+    only; anything where masked: overwritten) -> [B, R, d]. Overwrites `scores`."""
+    b, r, n = scores.shape
+    d = v.shape[-1]
     blocks = n // KEY_BLOCK
     # scores in base 2 (exp2 is the fast one on the CPU, -inf included): s x scale x log2(e), a
     # correctly rounded elementwise op on any path; masked: -inf (whatever k held there)
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale * LOG2E).masked_fill_(~mask, float("-inf"))
+    scores = scores.mul_(scale * LOG2E).masked_fill_(~mask, float("-inf"))
     top = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # a row seeing nothing: p = 0
     p = pointwise(torch.exp2, scores.sub_(top))  # [B, R, N]; exactly 0 where masked
     p = p.view(b, r, blocks, KEY_BLOCK).transpose(1, 2).reshape(b * blocks, r, KEY_BLOCK)
@@ -174,7 +194,8 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     # block i for h = half that power, then half again): the blocks past the row's own power of
     # two are zero, so the levels above it change nothing, and a zero block is simply not added.
     # Otherwise one block after the other (a loop of adds, not `cumsum`: that one accumulates every
-    # prefix, in float64).
+    # prefix, in float64). Products and sums in one tensor: one add a level for both (two trees
+    # side by side cost more than the copy, measured from 8 to 128 batch entries).
     if anchored:
         m, h = blocks, (1 << (blocks - 1).bit_length()) // 2
         while h:
@@ -188,6 +209,43 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         for j in range(1, blocks):
             total += acc[:, j]
     return total[..., :d] / total[..., d:]
+
+
+def _scores(q: torch.Tensor, key_cache: torch.Tensor, call: "_Call") -> torch.Tensor:
+    """The raw scores q . k [kv_heads * S, R, width] of a call's queries q [kv_heads * S, R, d]
+    (one `bmm` reducing over head_dim only; a product's bits follow neither the batch nor the
+    operands' strides, tested): a sequence whose keys lie in consecutive slots (`call.bases`) has
+    them read in place, a `bmm` over a strided view of the arena [kv_heads, d, its own width]; the
+    others' keys are gathered in one copy and take one `bmm`. Keys past a sequence's own width
+    are left unwritten (masked)."""
+    kv_heads, d = key_cache.shape[2], key_cache.shape[3]
+    s_, rows, width = call.seqs, call.rows, call.width
+    per_seq: list[torch.Tensor | None] = [None] * s_
+    if call.gathered:
+        g = len(call.gathered)
+        k = key_cache.view(-1, d).index_select(0, call.gather_rows).view(kv_heads * g, width, d)
+        qg = q if g == s_ else q.view(kv_heads, s_, rows, d)[:, call.gathered_index].reshape(kv_heads * g, rows, d)
+        scores = torch.bmm(qg, k.to(q.dtype).transpose(1, 2))
+        if g == s_:
+            return scores
+        for m, j in enumerate(call.gathered):
+            per_seq[j] = scores.view(kv_heads, g, rows, width)[:, m]
+    keys = key_cache.view(-1, kv_heads, d)  # [slots, kv_heads, d]
+    qs = q.view(kv_heads, s_, rows, d)
+    for j, read in enumerate(call.bases):
+        if read is not None:
+            base, own = read
+            per_seq[j] = torch.bmm(qs[:, j], keys[base:base + own].permute(1, 2, 0).to(q.dtype))
+    # fresh results stacked in one copy: a bmm into a strided slice of one result runs GEMM by
+    # GEMM on one thread (measured 2x slower at 2 threads)
+    if s_ == 1:
+        return per_seq[0]
+    if all(part.shape[-1] == width for part in per_seq):
+        return torch.stack(per_seq, 1).view(kv_heads * s_, rows, width)
+    scores = q.new_empty(kv_heads, s_, rows, width)
+    for j, part in enumerate(per_seq):
+        scores[:, j, :, :part.shape[-1]] = part
+    return scores.view(kv_heads * s_, rows, width)
 
 
 def _consecutive(meta: PagedMetadata, i: int, first: int, width: int) -> int | None:
