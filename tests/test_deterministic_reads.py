@@ -13,6 +13,7 @@ import torch
 
 from mmserve.engine.arena import Segment
 from mmserve.engine.attention import PagedMetadata
+from mmserve.engine.attention import deterministic
 from mmserve.engine.attention.deterministic import DeterministicSdpaBackend
 
 BS = 16
@@ -115,3 +116,35 @@ def test_a_call_s_sequences_read_in_place_over_widths_of_their_own():
         gathered, (call,) = attend(det, twins, steps, q, None, scattered)
         assert call.gathered == tuple(sorted(j for j, (i, _, _) in enumerate(steps) if i in scattered))
         assert torch.equal(out, gathered) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("group", [1, 4])
+def test_a_long_chunk_in_tiles_gives_the_bits_of_the_whole_chunk(monkeypatch, window, group):
+    """A chunk longer than `TILE_TOKENS` is computed in tiles of queries, each over the keys up to
+    its own end; with a bidirectional span across two tiles (its tokens see keys of the next tile,
+    written by the same step) and beside decode tokens, every output is bit-identical to the chunk
+    computed untiled, read in place or gathered."""
+    twins = Twins(seed=7 + group)
+    det = DeterministicSdpaBackend()
+    g = torch.Generator().manual_seed(20 + group)
+    heads = KV_HEADS * group
+    steps = [(4, 100, 150), (0, 74, 1), (2, 129, 1)]  # the chunk: positions 100..249 of the 300-token sequence
+    spans = [((140, 200),), (), ()]  # across the tiles [100, 164) and [164, 228)
+    q = torch.randn(sum(n for _, _, n in steps), heads, D, generator=g)
+
+    def run(scattered):
+        segments = [Segment((twins.scattered if i in scattered else twins.consecutive)[i], start, n)
+                    for i, start, n in steps]
+        meta = PagedMetadata.build(segments, BS, spans=spans)
+        return det.forward(q, twins.k, twins.v, meta, window=window), det.layout(meta, window, group, KV_HEADS)
+
+    tiled, layout = run(())
+    assert deterministic.TILE_TOKENS == 64
+    assert len(layout) == 4  # the chunk's three tiles (64, 64, 22 queries), each of its own width; the decode tokens
+    assert not tiled.isnan().any()
+    assert torch.equal(tiled, run({4})[0])  # its keys gathered
+    monkeypatch.setattr(deterministic, "TILE_TOKENS", 10_000)
+    untiled, layout = run(())
+    assert len(layout) == 2  # the chunk in one call, the two decode tokens in another
+    assert torch.equal(tiled, untiled)
