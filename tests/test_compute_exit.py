@@ -10,6 +10,7 @@ import threading
 import trio
 
 from mmserve.actors import compute
+from tests.helpers import wait_until
 
 
 async def test_stop_drops_a_queued_step_and_reports_the_running_one():
@@ -23,15 +24,13 @@ async def test_stop_drops_a_queued_step_and_reports_the_running_one():
         nursery.start_soon(lambda: compute.run(blocking, abandon_on_cancel=True))
         await trio.to_thread.run_sync(started.wait, 10)
         # a second step queued behind it, its caller gone (an abandoned step of a cancelled actor)
-        nursery.start_soon(lambda: compute.run(ran.append, 1, abandon_on_cancel=True))
-        await trio.sleep(0.05)
+        queued = trio.Event()
+        nursery.start_soon(lambda: compute.run(ran.append, 1, abandon_on_cancel=True, submitted=queued.set))
+        await queued.wait()
         nursery.cancel_scope.cancel()
     assert compute.stop() is False  # one is running: the exit would wait for it
     release.set()
-    for _ in range(100):
-        if compute.stop():
-            break
-        await trio.sleep(0.01)
+    await wait_until(compute.stop, timeout=1, what="the running step ended")
     assert compute.stop() is True
     assert ran == []  # the queued one never ran
     # a later caller (an embedding program) gets a fresh compute thread

@@ -27,6 +27,7 @@ from mmserve.config import ModelConfig
 from mmserve.models.demo import Q_FIRST, Q_SHAPE, build_untrained
 from tests.conftest import on_device
 from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
+from tests.helpers import wait_until
 from tests.redis_server import RedisServer
 
 # (width, height): tiles and tokens under tiny-llava-onevision (32 px tiles, anyres_max_4):
@@ -155,9 +156,7 @@ async def test_a_hit_restored_from_redis_ending_inside_a_tile_gets_the_rest_from
         async with Runtime.open(shared) as a, Runtime.open(shared) as b:
             await a.chat_completion(first, **extra)
             tier_a = a.registry.require("ov").actors["shared_tier"]
-            with trio.fail_after(10):
-                while tier_a.pending_writes:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: not tier_a.pending_writes, timeout=10, what="replica a's blocks written to Redis")
             adapter = b.registry.require("ov").adapter
             chat = [{"role": "user", "content": [{"type": "image"}] * 2 + [{"type": "text", "text": Q_FIRST}]}]
             prompt = adapter.tokenize(chat, [IMAGES[x], IMAGES[z]])

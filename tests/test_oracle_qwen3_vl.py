@@ -23,6 +23,7 @@ from mmserve.config import ModelConfig
 from mmserve.models.demo import Q_FIRST, build_untrained
 from tests.conftest import on_device
 from tests.family_oracle import FamilyOracle, Turn, loaded, oracle_images
+from tests.helpers import wait_until
 from tests.redis_server import RedisServer
 
 # (width, height) -> tokens under tiny-qwen3-vl (patch 8, merge 2, 32^2..128^2 px):
@@ -144,9 +145,7 @@ async def test_a_hit_restored_from_redis_ending_inside_an_image_gets_every_level
         async with Runtime.open(shared) as a, Runtime.open(shared) as b:
             await a.chat_completion(first, **extra)
             tier_a = a.registry.require("q3").actors["shared_tier"]
-            with trio.fail_after(10):
-                while tier_a.pending_writes:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: not tier_a.pending_writes, timeout=10, what="replica a's blocks written to Redis")
             _, boundary = _inside(b.registry.require("q3").adapter, 0, 2)
             got = await b.chat_completion(second, **extra)
             enc = b.registry.require("q3").encoder.stats()

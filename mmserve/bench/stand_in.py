@@ -169,7 +169,8 @@ class StandInForward:
         deadline = start + self.duration_s
         made = time.perf_counter()
         if made < deadline:
-            time.sleep(deadline - made)  # releases the GIL, as a running GPU leaves the host free
+            # on the compute thread (the model's forward): releases the GIL, as a running GPU leaves the host free
+            time.sleep(deadline - made)
         woke = time.perf_counter()
         with self._lock:
             self.calls.append(Call(start, max(deadline, made), tokens, rows, counters, woke))
@@ -190,6 +191,7 @@ class DeviceClockEvent:
     def synchronize(self) -> None:
         left = self.end - time.perf_counter()
         if left > 0:
+            # a worker thread's wait (`DeviceSample.wait`), as a real event's synchronize blocks it
             time.sleep(left)
         if self.real is not None:
             self.real.synchronize()
