@@ -122,10 +122,11 @@ class Bench:
             release_device_memory(self.params.device)  # for the next runtime, or a server's own process
 
     @asynccontextmanager
-    async def server(self, prefix: bool = True, encoder: bool = True):
-        """(httpx client, URL) of an HTTP server, warmed up by one streamed request."""
+    async def server(self, prefix: bool = True, encoder: bool = True, **sections):
+        """(httpx client, URL) of an HTTP server, warmed up by one streamed request; `sections`
+        override config keys as `config` takes them."""
         self.note(f"starting HTTP server ({self.params.http})")
-        async with http_server(self.config(prefix, encoder), self.params.http, self.workdir) as url:
+        async with http_server(self.config(prefix, encoder, **sections), self.params.http, self.workdir) as url:
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
             async with httpx.AsyncClient(limits=limits, timeout=None) as client:
                 await timed_http(client, url, self.ask(next(self._warmups), QUESTIONS[1]), 2)

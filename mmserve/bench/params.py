@@ -7,8 +7,9 @@ from dataclasses import asdict, dataclass, replace
 
 ALL_SCENARIOS = ("decode", "concurrency", "multiturn", "same_image", "three_images", "peer", "replicas", "scaleout", "structured",
                  "engine_overhead", "absolute")
-# run only when named (--scenarios video): they need a family the default preset is not (video: bench-qwen)
-OPT_IN_SCENARIOS = ("video",)
+# run only when named (--scenarios video): they need a family the default preset is not (video: bench-qwen),
+# or measure what a default run does not use (deterministic: the mode's cost, a few minutes)
+OPT_IN_SCENARIOS = ("video", "deterministic")
 KNOWN_SCENARIOS = ALL_SCENARIOS + OPT_IN_SCENARIOS
 
 
@@ -65,6 +66,9 @@ class BenchParams:
     copy_mib: int = 256  # the copied buffer (each byte read once and written once)
     prefill_tokens: tuple[int, ...] = (16, 64, 256, 640)
     prefill_repeats: int = 5
+    # 13. deterministic mode's cost (opt-in): rounds of single-stream decode and these levels, off and on
+    det_rounds: int = 5
+    det_levels: tuple[int, ...] = (8, 16)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -85,7 +89,7 @@ FULL = BenchParams("full")
 QUICK = replace(FULL, name="quick", decode_tokens=16, decode_repeats=3, levels=(1, 4, 8, 16), sweep_tokens=64,
                 turns=4, turn_tokens=16, conversations=2, ref_repeats=2, answer_tokens=8, image_repeats=2,
                 peer_levels=(1, 8), host_share_steps=16, engine_tokens=128, copy_mib=64, prefill_tokens=(16, 64, 256),
-                prefill_repeats=3, retention_requests=200)
+                prefill_repeats=3, retention_requests=200, det_rounds=4)
 GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat16", torch_threads=4,
               scenarios=("decode", "concurrency", "multiturn", "same_image", "three_images", "absolute",
                          "engine_overhead"),
@@ -103,6 +107,7 @@ TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_token
                host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8,
                prefill_tokens=(8, 16), prefill_repeats=1, retention_requests=16, retention_samples=4,
                retention_settle=4, retention_concurrency=2, retention_encoder_entries=4,
-               retention_kv_budget_bytes=256 * 1024, retention_fill_max=16)
+               retention_kv_budget_bytes=256 * 1024, retention_fill_max=16, det_rounds=2,
+               det_levels=(2,))
 
 PARAMS = {p.name: p for p in (FULL, QUICK, TEST, GPU)}

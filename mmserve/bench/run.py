@@ -37,7 +37,8 @@ from mmserve.runtime.runtime import configure_device
 # rest by how fast this machine ran that one. Counting scenarios alike put the ETA off by several
 # times (concurrency and replicas take ten times what same_image does).
 SCENARIO_WEIGHTS = {"decode": 8, "concurrency": 34, "multiturn": 5, "same_image": 2, "three_images": 2, "peer": 2,
-                    "replicas": 29, "scaleout": 40, "structured": 15, "engine_overhead": 10, "absolute": 5, "video": 6}
+                    "replicas": 29, "scaleout": 40, "structured": 15, "engine_overhead": 10, "absolute": 5, "video": 6,
+                    "deterministic": 60}
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"
 
 

@@ -88,7 +88,7 @@ async def subprocess_server(config: Config, workdir: Path) -> AsyncIterator[str]
     """`mmserve serve` in its own process; its log goes to `workdir/server-*.log`. Yields its URL.
     The process is stopped and waited for on every way out (see `mmserve.bench.processes`)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    tag = f"p{int(config.kv_cache.prefix_caching)}e{int(config.encoder_cache.enabled)}"
+    tag = f"p{int(config.kv_cache.prefix_caching)}e{int(config.encoder_cache.enabled)}" + "d" * config.runtime.deterministic
     cfg, log = workdir / f"server-{tag}.toml", workdir / f"server-{tag}.log"
     cfg.write_text(config_toml(config))
     with log.open("w") as log_file:
