@@ -179,7 +179,7 @@ def test_selection_and_fingerprint():
     with pytest.raises(AttentionBackendUnavailable, match="unknown"):
         select("flash", "cpu", deterministic=True)  # "triton": tests/test_deterministic_triton.py
     assert fingerprint(False) is None
-    assert fingerprint(True) == "mmserve-det1:batch+prefix_cache+chunking+preemption"
+    assert fingerprint(True) == "mmserve-det2:batch+prefix_cache+chunking+preemption"
 
 
 def test_the_mode_is_installed_only_when_asked(tiny_model_dir):

@@ -103,7 +103,7 @@ def test_sequences_read_in_place_give_the_bits_of_gathered_ones(window, group):
 
 
 def test_a_call_s_sequences_read_in_place_over_widths_of_their_own():
-    """Decode tokens of sequences of 17 and 300 tokens share a call 304 keys wide: the short
+    """Decode tokens of sequences of 17 and 300 tokens share a call 320 keys wide: the short
     one's keys are read in place over its own 32 (never past its blocks), the rest masked."""
     twins = Twins(seed=3)
     det = DeterministicSdpaBackend()
@@ -111,7 +111,7 @@ def test_a_call_s_sequences_read_in_place_over_widths_of_their_own():
     q = torch.randn(2, KV_HEADS, D, generator=torch.Generator().manual_seed(4))
     out, calls = attend(det, twins, steps, q, None)
     (call,) = calls
-    assert call.width == 304 and call.bases == ((twins.consecutive[3][0] * BS, 32), (twins.consecutive[4][0] * BS, 304))
+    assert call.width == 320 and call.bases == ((twins.consecutive[3][0] * BS, 32), (twins.consecutive[4][0] * BS, 304))
     for scattered in ({3}, {4}, {3, 4}):  # the other one read in place beside a gathered one, or both gathered
         gathered, (call,) = attend(det, twins, steps, q, None, scattered)
         assert call.gathered == tuple(sorted(j for j, (i, _, _) in enumerate(steps) if i in scattered))
@@ -141,7 +141,10 @@ def test_a_long_chunk_in_tiles_gives_the_bits_of_the_whole_chunk(monkeypatch, wi
 
     tiled, layout = run(())
     assert deterministic.TILE_TOKENS == 64
-    assert len(layout) == 4  # the chunk's three tiles (64, 64, 22 queries), each of its own width; the decode tokens
+    # the chunk's three tiles (64, 64, 22 queries), each over the keys up to its own end padded to
+    # 64 (without a window all three 256 wide, the span reaching 200: the first two in one call;
+    # with one, each from its own first key: three widths); the decode tokens
+    assert sorted(call.seqs for call in layout) == ([1, 2, 2] if window is None else [1, 1, 1, 2])
     assert not tiled.isnan().any()
     assert torch.equal(tiled, run({4})[0])  # its keys gathered
     monkeypatch.setattr(deterministic, "TILE_TOKENS", 10_000)

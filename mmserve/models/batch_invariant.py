@@ -33,7 +33,7 @@ from torch import nn
 
 from mmserve.errors import CheckpointError
 
-FINGERPRINT = "mmserve-det1"
+FINGERPRINT = "mmserve-det2"
 """`system_fingerprint` of an answer in deterministic mode: the version of the construction."""
 
 INVARIANT_OVER = ("batch", "prefix_cache", "chunking", "preemption")

@@ -32,6 +32,7 @@ from mmserve.inputs.tokenize import parse_detokenize, parse_tokenize
 from mmserve.inputs.tools import bind_tools
 from mmserve.logs import get_logger, use_default_logging
 from mmserve.runtime import gc_heap, tokenization
+from mmserve.runtime.host_memory import keep_freed_blocks
 from mmserve.runtime.metrics import Metrics
 from mmserve.runtime.model_actors import build_model_actors
 from mmserve.runtime.registry import ModelRegistry
@@ -50,11 +51,14 @@ default. A copy of the repository's `config.toml`, byte for byte (tests/test_def
 
 
 def configure_device(device: str) -> None:
-    """Process-wide torch settings for `device`, chosen at run time (nothing on the CPU). CUDA:
-    cuDNN's SDPA backend plans anew for every new sequence length (~55 ms each on an H100), and
-    decode makes a new length every step, so attention uses torch's other SDPA kernels."""
+    """Process-wide settings for `device`, chosen at run time. CUDA: cuDNN's SDPA backend plans
+    anew for every new sequence length (~55 ms each on an H100), and decode makes a new length
+    every step, so attention uses torch's other SDPA kernels. The CPU: the C allocator keeps freed
+    blocks for the next step (`host_memory`: a step's temporaries were faulted in anew every step)."""
     if torch.device(device).type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
+    else:
+        keep_freed_blocks()
 
 
 STEPS_SETTLE_S = 1.0

@@ -10,17 +10,19 @@ reduction by the key count: measured, a query's output changes when the keys run
 zeros or not). What this does instead, for every sequence of the step (`invariant_attention`):
 
 - **scores**: one `bmm` of the query rows (a KV head's GQA group x tokens, padded to a multiple
-  of `ROW_PAD` rows) against the keys from the first key's block boundary (padded to a multiple
-  of `KEY_BLOCK`), the reduction over head_dim only: measured on this torch, an element's bits
+  of `ROW_PAD` rows) against the keys from the first key's `KEY_BLOCK` boundary (the call's
+  width padded to a multiple of it; a sequence's own keys read up to its written ones padded to
+  `READ_BLOCK`, never past its blocks), the reduction over head_dim only: measured on this torch, an element's bits
   depend on neither the row count, the row's position, the key count nor the batch
   (`tests/test_deterministic.py` pins it);
 - **softmax**: masked keys (outside the causal/window/span interval) are -inf, the row max is
   exact whatever the order, p = exp2(s x scale x log2 e - max) is elementwise on the vector path
   (`pointwise`; a masked key's p is exactly 0; exp2, not exp: on this CPU exp takes 2.5x longer,
   6x on -inf);
-- **P·V** in fixed blocks of `KEY_BLOCK` keys aligned to absolute positions (a multiple of 16
-  from position 0: the KV arena's blocks), one `bmm` of inner size 16 per block, and each block's
-  sum of p over its 16 keys; the blocks then summed in a fixed order: without a sliding window
+- **P·V** in fixed blocks of `KEY_BLOCK` (64) keys aligned to absolute positions (a multiple of
+  64 from position 0: four of the KV arena's blocks), one `bmm` of inner size 64 per block, and
+  each block's sum of p over its 64 keys (`mmserve-det1` used blocks of 16: four times the GEMMs,
+  a quarter the size each; a decode step of 16 sequences at 650 tokens took 11% longer); the blocks then summed in a fixed order: without a sliding window
   (every call's keys start at position 0) by a tree anchored at position 0, log2(blocks) adds a
   layer; with one, in position order, one add after the other (`invariant_attention`). A block
   the query does not see contributes exact zeros, so it does not matter how many of them a call
@@ -55,9 +57,13 @@ from .sdpa import SdpaBackend
 
 LOG2E = 1.4426950408889634
 
-KEY_BLOCK = 16
-"""Keys per block of the P·V reduction (absolute positions [16 j, 16 j + 16)): the default KV
-block size, and the inner size at which the CPU's batched GEMM was measured invariant."""
+KEY_BLOCK = 64
+"""Keys per block of the P·V reduction (absolute positions [64 j, 64 j + 64)): four of the default
+KV blocks, an inner size at which the CPU's batched GEMM was measured invariant."""
+
+READ_BLOCK = 16
+"""A sequence's keys are read (in place or gathered) up to its written ones padded to this many:
+never past its own blocks."""
 
 TILE_TOKENS = 64
 """A longer chunk's queries are computed in tiles of this many, each over the keys up to its own
@@ -147,8 +153,10 @@ class _Call:
         hi = np.zeros((s_, rows), dtype=np.int64)
         for j, (i, start, n) in enumerate(parts):
             table = np.asarray(meta.tables[i], dtype=np.int64)
-            # past the sequence's last key written (this step's last, a tile's too): that key again
-            pos = np.minimum(keys[j], meta.starts[i] + meta.lengths[i] - 1)
+            # past the sequence's last key written (this step's last, a tile's too): that key again;
+            # before the first key a window lets the part see (the block boundary is up to 63 keys
+            # earlier): that first key (a slot before a window may hold anything, and 0 x NaN is NaN)
+            pos = np.clip(keys[j], first_key(start, window), meta.starts[i] + meta.lengths[i] - 1)
             slots[j] = table[pos // meta.block_size] * meta.block_size + pos % meta.block_size
             r = np.arange(n * group)
             token[j, :n * group] = offsets[i] + start - meta.starts[i] + r // group
@@ -166,7 +174,7 @@ class _Call:
         # and the keys of every such sequence of the call are gathered in one copy
         bases = []
         for j, i in enumerate(seqs):
-            own = _pad(int(ends[j].max()) - int(first[j]), KEY_BLOCK)
+            own = _pad(int(ends[j].max()) - int(first[j]), READ_BLOCK)
             base = _consecutive(meta, i, int(first[j]), own)
             bases.append(None if base is None else (base, own))
         self.bases = tuple(bases)
@@ -259,7 +267,7 @@ def _scores(q: torch.Tensor, key_cache: torch.Tensor, call: "_Call") -> torch.Te
             per_seq[j] = torch.bmm(qs[:, j], keys[base:base + own].permute(1, 2, 0).to(q.dtype))
     # fresh results stacked in one copy: a bmm into a strided slice of one result runs GEMM by
     # GEMM on one thread (measured 2x slower at 2 threads)
-    if s_ == 1:
+    if s_ == 1 and per_seq[0].shape[-1] == width:
         return per_seq[0]
     if all(part.shape[-1] == width for part in per_seq):
         return torch.stack(per_seq, 1).view(kv_heads * s_, rows, width)
@@ -274,7 +282,7 @@ def _consecutive(meta: PagedMetadata, i: int, first: int, width: int) -> int | N
     consecutive slots of its own blocks (its table consecutive ids there; those past its end in its
     last block), else None."""
     bs = meta.block_size
-    if bs % KEY_BLOCK:
+    if bs % READ_BLOCK:
         return None
     table = meta.tables[i]
     lo, hi = first // bs, -(-(first + width) // bs)
