@@ -6,9 +6,10 @@ image requests. Each row is the mode's time over the default's: the median of th
 each round's pair measured minutes apart at most.
 
 Why not two `mmserve bench --deterministic` runs: run after run on this 2-core VM, the same
-decode ratio came out 1.18, 1.34 and 1.62 (a 16-token decode, the machine's load moving between
-the runs); a ratio of two measurements taken seconds apart is what the target can be checked on.
-Both servers stay up; the one not measured is idle."""
+code's decode ratio ranged from 1.18 to 1.63 over three pairs (a 16-token decode, the machine's
+load moving between the runs); a ratio of measurements taken seconds apart is what the target can
+be checked on. It still moves on a shared machine (five runs of one commit: medians of 1.39 to
+1.67): read several. Both servers stay up; the one not measured is idle."""
 
 from __future__ import annotations
 
