@@ -73,7 +73,7 @@ $(DYNAMO_VENV)/.installed:
 # MMSERVE_LM_EVAL: the lm_eval command the live lm-eval test runs (set, it must exist: no skip).
 # Two pytest-xdist workers, a test file each at a time (its module fixtures built once): much of
 # the suite waits on subprocesses, sockets and servers, so two workers on two cores took 55% of
-# one worker's time (382 s against 693 s, a clean clone's CI).
+# one worker's time (382 s in a clean clone's CI; one worker took 693 s the same evening).
 test: $(STAMP_DEV) $(STAMP_LMEVAL) redis-server $(DYNAMO_VENV)/.installed
 	MMSERVE_LM_EVAL=$(abspath $(LMEVAL_VENV))/bin/lm_eval $(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile tests
 
