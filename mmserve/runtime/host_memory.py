@@ -18,27 +18,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
 TRIM_THRESHOLD = 512 << 20
 
-_tuned: bool | None = None
 
-
+@functools.cache
 def keep_freed_blocks() -> bool:
     """Sets the thresholds (once a process); True when the C library is glibc and took them."""
-    global _tuned
-    if _tuned is None:
-        _tuned = _mallopt()
-    return _tuned
-
-
-def _mallopt() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # glibc only: musl's mallopt is a stub
     except (OSError, AttributeError):
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    took = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD), libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return all(took)  # mallopt returns 1 on success

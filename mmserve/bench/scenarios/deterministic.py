@@ -51,8 +51,8 @@ async def deterministic(b: Bench) -> dict:
     cost = {k: median(v) for k, v in per_round.items()}
     rows = [_row("single-stream decode (HTTP)", cost["decode"], per_round["decode"])]
     rows += [_row(f"{n} concurrent image requests (HTTP)", cost[f"@{n}"], per_round[f"@{n}"]) for n in p.det_levels]
-    return {"fingerprints": fingerprints, "rounds": p.det_rounds, "new_tokens": p.sweep_tokens, "levels": list(p.det_levels), "runs": runs,
-            "per_round": per_round, "cost": cost, "rows": rows}
+    return {"fingerprints": fingerprints, "rounds": p.det_rounds, "new_tokens": p.sweep_tokens,
+            "levels": list(p.det_levels), "runs": runs, "per_round": per_round, "cost": cost, "rows": rows}
 
 
 async def _fingerprint(client, url: str, messages: list[dict]) -> str | None:

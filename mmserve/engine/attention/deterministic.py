@@ -12,7 +12,8 @@ zeros or not). What this does instead, for every sequence of the step (`invarian
 - **scores**: one `bmm` of the query rows (a KV head's GQA group x tokens, padded to a multiple
   of `ROW_PAD` rows) against the keys from the first key's `KEY_BLOCK` boundary (the call's
   width padded to a multiple of it; a sequence's own keys read up to its written ones padded to
-  `READ_BLOCK`, never past its blocks), the reduction over head_dim only: measured on this torch, an element's bits
+  `READ_BLOCK`, never past its blocks), the reduction over head_dim only: measured on this
+  torch, an element's bits
   depend on neither the row count, the row's position, the key count nor the batch
   (`tests/test_deterministic.py` pins it);
 - **softmax**: masked keys (outside the causal/window/span interval) are -inf, the row max is
@@ -22,7 +23,8 @@ zeros or not). What this does instead, for every sequence of the step (`invarian
 - **P·V** in fixed blocks of `KEY_BLOCK` (64) keys aligned to absolute positions (a multiple of
   64 from position 0: four of the KV arena's blocks), one `bmm` of inner size 64 per block, and
   each block's sum of p over its 64 keys (`mmserve-det1` used blocks of 16: four times the GEMMs,
-  a quarter the size each; a decode step of 16 sequences at 650 tokens took 11% longer); the blocks then summed in a fixed order: without a sliding window
+  a quarter the size each; a decode step of 16 sequences at 650 tokens took 11% longer); the
+  blocks then summed in a fixed order: without a sliding window
   (every call's keys start at position 0) by a tree anchored at position 0, log2(blocks) adds a
   layer; with one, in position order, one add after the other (`invariant_attention`). A block
   the query does not see contributes exact zeros, so it does not matter how many of them a call
