@@ -89,8 +89,9 @@ def attempt(label: str, r: ModelRunner, order, fresh_pool: bool = False) -> None
 def vision_towers(tmp: Path) -> None:
     """Per fixed-shape family and view count: the tower's body eagerly vs its replayed graph, ms."""
     for family, preset in (("llava", "tiny"), ("gemma3", "tiny-gemma3"), ("idefics3", "tiny-idefics3")):
-        adapter = load_adapter(f"probe-vision-{family}", build_untrained(preset, tmp / preset, seed=0,
-                                                                         random_weights=True), device=DEVICE)
+        # a directory of its own: the decode probes above built `tiny` (without random_weights) in tmp / "tiny"
+        built = build_untrained(preset, tmp / f"vision-{preset}", seed=0, random_weights=True)
+        adapter = load_adapter(f"probe-vision-{family}", built, device=DEVICE)
         path = VisionPath(adapter, (1, 2, 4, 8), cuda_graphs=True)
         captured, static = path.capture(), path.static
         c, h, w = static.tower.view_shape

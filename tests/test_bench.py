@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 from mmserve.bench import PARAMS, run_bench
@@ -144,3 +145,17 @@ def test_bench_without_its_extra_is_one_line(tmp_path):
         "mmserve bench: needs the bench extra (matplotlib, tqdm, httpx; missing: matplotlib, tqdm): "
         "pip install -e '.[bench]'"]
     assert not (tmp_path / "bench-out").exists()  # stopped before building or running anything
+
+
+def test_a_failed_retention_run_keeps_the_sweeps_figures(tmp_path):
+    """The H200 run of 2026-11-28: the retention run's arena held less than one request, its first
+    request was refused, and the whole concurrency scenario (the sweep's figures included) was lost.
+    Now that measurement fails on its own row."""
+    params = replace(PARAMS["test"], scenarios=("concurrency",), levels=(1,), retention_kv_budget_bytes=4096)
+    run_bench(tmp_path, params, progress=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    sc = data["scenarios"]["concurrency"]
+    assert sc["status"] == "ok" and [lv["concurrency"] for lv in sc["levels"]] == [1]
+    assert "BadRequest" in sc["retention"]["error"] and "KV arena holds" in sc["retention"]["error"]
+    failed = [r for r in data["summary"] if r["ok"] is False]
+    assert [r["metric"] for r in failed] == ["RSS growth per 1,000 requests, caches full: error"]

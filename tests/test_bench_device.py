@@ -18,6 +18,7 @@ from mmserve.bench.params import CPU_KV_BUDGET_MIB, CUDA_KV_BUDGET_MIB
 from mmserve.bench.servers import bench_config, config_toml
 from mmserve.cli import build_parser, device_options, main as cli
 from mmserve.config import load_config
+from mmserve.models.demo.build import PRESETS
 from mmserve.models.random_weights import is_random_weights
 from mmserve.runtime import runtime as runtime_module
 
@@ -45,6 +46,21 @@ def test_the_gpu_parameter_set():
     else:
         with pytest.raises(ValueError, match="no CUDA device"):
             device_options(args, gpu)
+
+
+@pytest.mark.parametrize("name", [n for n, p in PARAMS.items() if p.preset in PRESETS])
+def test_the_retention_arena_holds_its_requests_in_flight(name):
+    """The retention run's arena holds `retention_concurrency` one-image requests at once: the GPU
+    set's 256 MiB held less than one of llava-7b's (0.5 MiB a token) and its first request was
+    refused on the H200 (2026-11-28)."""
+    p = PARAMS[name]
+    preset = PRESETS[p.preset]
+    head_dim = preset.text_hidden // preset.text_heads
+    item = {"float32": 4, "bfloat16": 2, "float16": 2}[p.dtype]
+    per_token = 2 * preset.text_layers * preset.text_kv_heads * head_dim * item  # K and V, every layer
+    request = preset.num_image_tokens + 64 + p.retention_tokens  # the image, the chat template and question
+    budget = p.retention_kv_budget_bytes or p.kv_budget_bytes()
+    assert budget >= p.retention_concurrency * request * per_token, (name, budget // per_token)
 
 
 def test_cli_refuses_bad_devices(tmp_path, capsys):

@@ -215,6 +215,14 @@ def ratio(a: float, b: float) -> float:
     return a / b if b and not math.isnan(b) else math.nan
 
 
+def error_text(e: BaseException) -> str:
+    """What failed, for a report row: each leaf of an exception group (not "Exceptions from Trio nursery")."""
+    leaves = [e]
+    while any(isinstance(x, BaseExceptionGroup) for x in leaves):
+        leaves = [y for x in leaves for y in (x.exceptions if isinstance(x, BaseExceptionGroup) else [x])]
+    return "; ".join(f"{type(x).__name__}: {x}" for x in leaves)
+
+
 def row(scenario: str, metric: str, value, unit: str = "", baseline=None, ratio_=None, target: str | None = None,
         ok: bool | None = None) -> dict:
     """One line of the report's summary table."""

@@ -96,12 +96,14 @@ GPU = replace(FULL, name="gpu", preset="llava-7b", device="cuda", dtype="bfloat1
               decode_tokens=128, levels=(1, 8, 32), batched_levels=(8, 32), sweep_tokens=128,
               kv_budget_mib=16384, turns=4, turn_tokens=32, conversations=4, image_repeats=3, copy_mib=2048,
               engine_prompt_tokens=600, retention_requests=200, retention_settle=50,
-              retention_fill_max=100, retention_kv_budget_bytes=256 * 1024 * 1024)
+              retention_fill_max=100, retention_kv_budget_bytes=4096 * 1024 * 1024)
 """The GPU issue's figures: single-stream decode, 8 and 32 concurrent against HF's batched
 `generate` of the same requests, TTFT at 32, prefix hits, the absolute figures (tok/s against the
 measured bandwidth limit, prefill time per token count) and the host's overhead with a stand-in
 forward on the GPU machine's own CPU; a 16 GiB KV arena holds 32 requests of
-one image (~600 tokens, 0.5 MiB a token in bfloat16)."""
+one image (~600 tokens, 0.5 MiB a token in bfloat16). The retention run's 4 GiB arena holds its 8
+requests in flight (~2.4 GiB) and evicts after a few more (256 MiB held less than one: the H200
+run of 2026-11-28 refused its first request)."""
 TEST = replace(QUICK, name="test", preset="tiny", http="inprocess", decode_tokens=4, decode_repeats=1,
                levels=(1, 2), sweep_tokens=4, peer_levels=(), turns=3, turn_tokens=4, ref_repeats=1, answer_tokens=4,
                host_share_steps=2, engine_streams=4, engine_tokens=10, engine_prompt_tokens=40, copy_mib=8,

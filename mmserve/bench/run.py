@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from mmserve.bench.absolute_figures import absolute_figures
 from mmserve.bench.baselines import release_device_memory
+from mmserve.bench.common import error_text
 from mmserve.bench.context import Bench
 from mmserve.bench.model import (built_preset, default_model_dir, ensure_model, family_name, sizes_vary,
                                  tokens_per_image)
@@ -83,10 +84,6 @@ def _trio_run(fn, *args):
         raise
 
 
-def _leaves(e: BaseException) -> list[BaseException]:
-    return [x for sub in e.exceptions for x in _leaves(sub)] if isinstance(e, BaseExceptionGroup) else [e]
-
-
 @contextmanager
 def _quiet_process_settings(threads: int):
     """Warnings-only logs (a readable progress bar) and `threads` torch threads while the benchmark
@@ -145,7 +142,7 @@ async def _run_one(name: str, bench: Bench) -> dict:
         result.setdefault("status", "ok")
     except Exception as e:
         traceback.print_exc()
-        error = "; ".join(f"{type(x).__name__}: {x}" for x in _leaves(e))  # not "Exceptions from Trio nursery"
+        error = error_text(e)
         result = {"status": "error", "error": error,
                   "rows": [{"scenario": name, "metric": "error", "value": error, "unit": "",
                             "baseline": None, "ratio": None, "target": None, "ok": False}]}

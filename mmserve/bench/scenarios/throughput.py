@@ -5,6 +5,7 @@ concurrency level runner is scenario 6's too."""
 
 from __future__ import annotations
 
+import traceback
 from time import perf_counter
 
 import trio
@@ -12,7 +13,7 @@ import trio
 from mmserve.bench import retention
 from mmserve.bench.arena_usage import ArenaUsage
 from mmserve.bench.gpu_busy import PeakMemory, measure_busy, measure_host_share
-from mmserve.bench.common import MODEL, Timing, median, percentile, ratio, row, timed_chat, timed_http
+from mmserve.bench.common import MODEL, Timing, error_text, median, percentile, ratio, row, timed_chat, timed_http
 from mmserve.bench.context import Bench
 from mmserve.bench.scenarios.shared import at_least, at_most, brief
 
@@ -181,7 +182,11 @@ async def concurrency(b: Bench) -> dict:
     embedded["hf_batched_agg_tps"] = batched["agg_tps"]
     embedded["ratio_agg_tps_batched"] = ratio(embedded["agg_tps"], batched["agg_tps"])
     b.note(f"RSS over {p.retention_requests} requests once the caches are full")
-    kept = await retention.measure(b)
+    try:
+        kept = await retention.measure(b)
+    except Exception as e:  # the sweep's figures above stand without it (the H200 run of 2026-11-28 lost them)
+        traceback.print_exc()
+        kept = {"error": error_text(e)}
     return {"new_tokens": p.sweep_tokens, "levels": levels, "health_idle": idle, "health_during": top,
             "embedded": embedded, "retention": kept,
             "rows": _concurrency_rows(levels, idle, top, p.device) + _embedded_rows(embedded, top)
@@ -193,6 +198,8 @@ def _retention_row(r: dict) -> dict:
     behind (issue 46's leak kept ~7.7 MiB per 1,000 small requests, ~5.4 GiB with 4 MB images). A
     figure without a target: runs are not yet long enough to tell a small slope from the
     allocator's noise, but a request kept alive shows."""
+    if "error" in r:
+        return row("2 concurrency", "RSS growth per 1,000 requests, caches full: error", r["error"], ok=False)
     full = "" if r["caches_full"] else f"; caches NOT full after {r['fill_requests']} requests"
     return row("2 concurrency", f"RSS growth per 1,000 requests, caches full ({r['requests']} requests "
                f"@{r['concurrency']} after {r['fill_requests']} to fill, embedded; slope of "
