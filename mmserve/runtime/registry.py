@@ -136,7 +136,12 @@ class ModelRegistry:
                 adapter = await trio.to_thread.run_sync(self._read_checkpoint, mc, abandon_on_cancel=True)
             if timer.cancelled_caught:
                 raise TimeoutError(f"the load took longer than load_timeout_s = {rc.load_timeout_s} s")
-            actors = self.build_actors(adapter)  # wired at construction (`runtime.model_actors`)
+            # wired at construction (`runtime.model_actors`), on this event loop: one torch thread, or a
+            # parallel op there (deterministic mode packs every weight for oneDNN) starts a second OpenMP
+            # team and every later step pays a futex wake-up per op (`actors.compute`; measured: the
+            # mode's decode 15.8 -> 20.8 ms a token on the 2-core bench)
+            with compute.single_threaded():
+                actors = self.build_actors(adapter)
             model = LoadedModel(mc, adapter, actors)
             # decode graphs captured before the first request (CUDA only). Elsewhere the compute thread
             # is not started here: started during a load, its OpenMP team cost every later step of
