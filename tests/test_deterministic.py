@@ -18,7 +18,7 @@ from mmserve.engine.attention import PagedMetadata, SdpaBackend, select
 from mmserve.engine.attention.backend import AttentionBackendUnavailable
 from mmserve.engine.attention.masks import key_ends
 from mmserve.engine.attention.deterministic import DeterministicSdpaBackend
-from mmserve.models.batch_invariant import fingerprint, invariant_linear, pack, pointwise
+from mmserve.models.batch_invariant import ROW_CHUNK, call_rows, fingerprint, invariant_linear, pack, pointwise
 
 BS = 16
 
@@ -145,13 +145,35 @@ def test_linear_rows_do_not_follow_the_row_count_and_mkl_s_do():
         assert torch.allclose(want, F.linear(x, w, b), atol=1e-4)
         assert torch.equal(invariant_linear(x[None], w, b)[0], want)  # packed or not: the same bits
         mkl = set()
-        for m in (1, 2, 3, 5, 8, 17, 64, 300):
+        for m in (1, 2, 3, 5, 8, 17, 64, 300, 530):  # 300, 530: calls of ROW_CHUNK rows and a bucketed rest
             rows = torch.randn(m, k, generator=g)
             for p in {0, m - 1, m // 2}:
                 rows[p] = x
                 assert torch.equal(invariant_linear(rows, packed, b)[p], want), (k, n, m, p)
                 mkl.add(F.linear(rows, w, b)[p].numpy().tobytes())
         assert len(mkl) > 1  # the default varies (GEMV, tail and main kernels)
+
+
+def test_onednn_sees_a_bounded_set_of_row_counts(monkeypatch):
+    """oneDNN keeps memory for every row count it has run (an output-sized buffer, for good): the
+    mode's linear layers give it at most 47 counts, whatever the lengths of the prefill chunks."""
+    real, seen = torch.ops.mkldnn._linear_pointwise, set()
+
+    def spy(rows, *args):
+        seen.add(rows.shape[0])
+        return real(rows, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(24, 16, generator=g)
+    packed, x = pack(w), torch.randn(2100, 16, generator=g)
+    want = invariant_linear(x[:2], packed)[0]
+    for m in range(1, 2100, 7):
+        out = invariant_linear(x[:m], packed)
+        assert out.shape == (m, 24) and torch.equal(out[0], want)
+    assert len(seen) <= 47 and max(seen) == ROW_CHUNK and min(seen) == 2
+    assert {call_rows(m) for m in range(1, 17)} == set(range(2, 17))  # a decode batch: its own count
+    assert all(m <= call_rows(m) <= m * 1.125 for m in range(17, ROW_CHUNK + 1))
 
 
 @pytest.mark.parametrize("fn", [F.silu, lambda x: F.gelu(x, approximate="tanh"), torch.cos, torch.exp, torch.exp2])
