@@ -56,12 +56,18 @@ def single_threaded():
         torch.set_num_threads(before)
 
 
+DEFAULT_THREADS = torch.get_num_threads()
+"""torch's intra-op threads when mmserve was imported: its default (the physical cores, or
+OMP_NUM_THREADS), or what the program set before. Read once: worker threads set torch's
+process-wide count to 1 later (loaders, the encoder's pixel work, the shared tier's copies)."""
+
+
 def configure(threads: int) -> None:
-    """Sets the compute thread's torch intra-op threads (0: torch's default)."""
+    """Sets the compute thread's torch intra-op threads (0: `DEFAULT_THREADS`)."""
     global _threads
-    _threads = threads
-    if _executor is not None and threads:
-        _executor.submit(torch.set_num_threads, threads)
+    _threads = threads or DEFAULT_THREADS
+    if _executor is not None:
+        _executor.submit(_set_threads, _threads)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -73,8 +79,17 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _init() -> None:
-    if _threads:
-        torch.set_num_threads(_threads)
+    _set_threads(_threads or DEFAULT_THREADS)
+
+
+def _set_threads(threads: int) -> None:
+    """This thread's torch intra-op threads, for good. torch gives a thread its count lazily, at its
+    first parallel op, from a process-wide value that any thread's `set_num_threads` overwrites: a
+    compute thread set to 2 ran every step on 1 once a loader had set 1 in between (measured: the
+    default config's `torch_threads = 0` served on 1 thread of 2). Asked first, the lazy setup is
+    spent here and the count set next stays."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
 
 
 def _timed(owner, fn, *args):

@@ -53,8 +53,9 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if not model_dir:
-        model_dir = ensure_model(default_model_dir(out, params.preset, params.random_weights), params.preset,
-                                 params.random_weights)
+        with compute.single_threaded():  # this thread runs the embedded runtimes' event loops: no OpenMP team here
+            model_dir = ensure_model(default_model_dir(out, params.preset, params.random_weights), params.preset,
+                                     params.random_weights)
     model_dir = Path(model_dir)
     configure_device(params.device)  # as mmserve's runtime does: the baselines in this process get it too
     with _quiet_process_settings(params.torch_threads):
@@ -64,9 +65,8 @@ def run_bench(out: str | Path, params: BenchParams, model_dir: str | Path | None
                   bar_format=BAR_FORMAT) as bar:
             bench = Bench(params, model_dir, out, note=bar.set_postfix_str)
             meta.update(_family_meta(bench))
-            results = _trio_run(_run_scenarios, bench, bar)
-        meta.update(duration_s=time.perf_counter() - start, loadavg_end=_loadavg(),
-                    thread_probe_end=thread_probe(params.torch_threads))
+            results, probes = _trio_run(_run_scenarios, bench, bar)
+        meta.update(duration_s=time.perf_counter() - start, loadavg_end=_loadavg(), **probes)
     summary = [r for res in results.values() for r in res.pop("rows", [])]
     report = {"meta": meta, "summary": summary, "absolute": absolute_figures(results), "scenarios": results}
     report["paths"] = {k: str(v) for k, v in write_reports(report, out).items()}
@@ -101,11 +101,16 @@ def _quiet_process_settings(threads: int):
         torch.set_num_threads(saved[2])
 
 
-async def _run_scenarios(bench: Bench, bar: tqdm) -> dict:
-    """The scenarios in order. SIGTERM cancels them (each stops the processes it started, in its
-    `finally`), then ends the benchmark with SystemExit(143), no report written: the default action,
-    ending the process at once, would leave its servers and its Redis running."""
+async def _run_scenarios(bench: Bench, bar: tqdm) -> tuple[dict, dict]:
+    """The scenarios in order, and the thread probes before and after them. SIGTERM cancels the
+    scenarios (each stops the processes it started, in its `finally`), then ends the benchmark with
+    SystemExit(143), no report written: the default action, ending the process at once, would leave
+    its servers and its Redis running."""
     results, terminated = {}, []
+    # on the compute thread, as every model step and baseline: run here, on the main thread, its
+    # parallel matmul started a second OpenMP team, and every embedded figure after it paid a
+    # futex wake-up per op (`mmserve.actors.compute`)
+    probes = {"thread_probe_start": await compute.run(thread_probe, bench.params.torch_threads)}
     async with trio.open_nursery() as nursery:
         if threading.current_thread() is threading.main_thread():  # trio's signal handling needs it
             nursery.start_soon(_cancel_on_sigterm, nursery.cancel_scope, terminated)
@@ -117,7 +122,8 @@ async def _run_scenarios(bench: Bench, bar: tqdm) -> dict:
         nursery.cancel_scope.cancel()  # the SIGTERM watcher
     if terminated:
         raise SystemExit(128 + signal.SIGTERM)
-    return results
+    probes["thread_probe_end"] = await compute.run(thread_probe, bench.params.torch_threads)
+    return results, probes
 
 
 def _write_partial(out: Path, results: dict) -> None:
@@ -196,8 +202,7 @@ def _meta(params: BenchParams, model_dir: Path) -> dict:
     return {"params": params.to_json(), "model_dir": str(model_dir), "torch_threads": params.torch_threads,
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             **device_meta(params.device, params.dtype), "random_weights": is_random_weights(model_dir),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": _loadavg(),
-            "thread_probe_start": thread_probe(params.torch_threads)}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": _loadavg()}
 
 
 def device_meta(device: str, dtype: str) -> dict:

@@ -110,7 +110,7 @@ class Runtime:
         use_default_logging(config.logging.format, config.logging.level, config.logging.embedded_verbose)
         if config.runtime.torch_threads:
             torch.set_num_threads(config.runtime.torch_threads)
-            compute.configure(config.runtime.torch_threads)
+        compute.configure(config.runtime.torch_threads)  # 0: torch's default (`compute.DEFAULT_THREADS`)
         configure_device(config.runtime.device)
         body_error: Exception | None = None
         async with trio.open_nursery() as nursery:
