@@ -4,7 +4,14 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# Two pytest-xdist workers share the two cores of the machine the suite is sized for: each test
+# process, and every server it starts, gets one torch thread unless it asks for more (tests about
+# thread counts do), or their OpenMP teams oversubscribe the cores and timed tests starve. Set before
+# torch is imported: its default count comes from it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 # Triton's interpreter is chosen when triton is first imported (transformers' model classes import
 # torch._dynamo, which imports triton), so it is chosen here, before anything else: without a GPU,

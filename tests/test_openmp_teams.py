@@ -29,9 +29,14 @@ with SyncRuntime(config) as rt:
 """
 
 
+def torch_default_env() -> dict:
+    """This environment without the suite's OMP_NUM_THREADS (tests/conftest.py): torch's own default."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
 def native_threads(mode: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", PROBE, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=torch_default_env())
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
@@ -74,7 +79,8 @@ def test_the_compute_thread_keeps_its_torch_threads(case):
     threads overwrite (the loader and the encoder set 1): the default config served every step on
     one thread of two. The compute thread's count is its own: torch's default with `torch_threads =
     0`, the configured one otherwise, whatever other threads set."""
-    out = subprocess.run([sys.executable, "-c", THREADS_PROBE, case], capture_output=True, text=True, timeout=180)
+    out = subprocess.run([sys.executable, "-c", THREADS_PROBE, case], capture_output=True, text=True, timeout=180,
+                         env=torch_default_env())
     assert out.returncode == 0, out.stderr[-2000:]
     want, got = out.stdout.split()[-2:]
     assert got == want and int(want) >= 2
