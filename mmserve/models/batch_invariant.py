@@ -83,8 +83,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     m = rows.shape[0]
-    parts = [_call(rows[start:start + ROW_CHUNK], weight, bias) for start in range(0, m, ROW_CHUNK)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if m <= ROW_CHUNK:  # every decode step and most prefill chunks: one call
+        out = _call(rows, weight, bias)
+    else:
+        out = torch.cat([_call(rows[start:start + ROW_CHUNK], weight, bias) for start in range(0, m, ROW_CHUNK)])
     return out.view(*shape[:-1], out.shape[-1])
 
 

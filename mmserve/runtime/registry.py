@@ -138,8 +138,8 @@ class ModelRegistry:
                 raise TimeoutError(f"the load took longer than load_timeout_s = {rc.load_timeout_s} s")
             # wired at construction (`runtime.model_actors`), on this event loop: one torch thread, or a
             # parallel op there (deterministic mode packs every weight for oneDNN) starts a second OpenMP
-            # team and every later step pays a futex wake-up per op (`actors.compute`; measured: the
-            # mode's decode 15.8 -> 20.8 ms a token on the 2-core bench)
+            # team and every later step pays a futex wake-up per op (`actors.compute`; measured on the
+            # 2-core bench: the mode's decode 20.8 ms a token with the second team, 15.9 without)
             with compute.single_threaded():
                 actors = self.build_actors(adapter)
             model = LoadedModel(mc, adapter, actors)
